@@ -1,0 +1,149 @@
+"""``python -m pipeline <command> [--config FILE.yaml] [--key=value ...] [POSITIONAL ...]``.
+
+Every command is a module with a config dataclass and a ``run(cfg)`` function; the command line only
+fills that dataclass. ``--some-key`` and ``--some_key`` name the same field, ``--a.b=v`` sets a field
+of a section, a bare ``--flag`` sets a boolean field to true. Commands are imported lazily so that
+``preprocess`` never pays for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.config import field_type, help_lines, load_config, parse_value
+from pipeline.errors import ConfigError, PipelineError
+
+
+@dataclass(frozen=True)
+class Command:
+    module: str  # a module exposing ``Config`` (dataclass) and ``run(cfg) -> int | None``
+    summary: str
+    positional: str | None = None  # the config field that positional arguments fill
+
+
+COMMANDS: dict[str, Command] = {
+    "preprocess": Command("pipeline.preprocess.run", "raw corpus -> deduplicated, shuffled shards", "inputs"),
+    "augment": Command("pipeline.augment.run", "shards -> shards with cached EDA variants"),
+    "synonyms": Command("pipeline.augment.vector_synonyms", "word vectors -> faiss synonym cache (Parquet)"),
+    "train": Command("pipeline.train.run", "contrastive pretraining (same as launch/pretrain.py)"),
+    "eval": Command("pipeline.evaluate.run", "evaluate a model or checkpoint on the STS suite", "model"),
+    "report": Command("pipeline.evaluate.report", "plots and a Markdown page for a run directory", "run_dir"),
+    "export": Command(
+        "pipeline.export", "checkpoint -> sentence-transformers folder, Hub push", "checkpoint"
+    ),
+    "index": Command("pipeline.search.index", "encode sentences into a faiss index", "model"),
+    "search": Command("pipeline.search.query", "query a faiss index", "index_dir"),
+}
+
+
+def parse_cli(cls: type, argv: list[str], positional: str | None = None) -> tuple[str | None, dict[str, Any]]:
+    """Split ``argv`` into a YAML path and dotted overrides typed against ``cls``."""
+    yaml_path: str | None = None
+    overrides: dict[str, Any] = {}
+    positional_values: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if not token.startswith("--") or token == "--":
+            if token == "--":
+                positional_values.extend(argv[i:])
+                break
+            positional_values.append(token)
+            continue
+        key, has_value, value = token[2:].partition("=")
+        key = key.replace("-", "_")
+        if key == "config":
+            if not has_value:
+                if i >= len(argv):
+                    raise ConfigError("--config needs a YAML file path")
+                value, i = argv[i], i + 1
+            yaml_path = value
+            continue
+        tp = field_type(cls, key)
+        if not has_value:
+            if tp is bool:
+                if i < len(argv) and argv[i].lower() in ("true", "false"):
+                    value, i = argv[i], i + 1
+                else:
+                    value = "true"
+            elif i < len(argv):
+                value, i = argv[i], i + 1
+            else:
+                raise ConfigError(f"--{key.replace('_', '-')} needs a value")
+        if typing_is_list(tp) and key in overrides:  # repeated list flags accumulate
+            overrides[key] = list(overrides[key]) + _as_list(parse_value(value, tp))
+        else:
+            overrides[key] = parse_value(value, tp)
+    if positional_values:
+        if positional is None:
+            raise ConfigError(f"unexpected argument {positional_values[0]!r}; write options as --key=value")
+        tp = field_type(cls, positional)
+        overrides[positional] = positional_values if typing_is_list(tp) else _single(positional_values)
+    return yaml_path, overrides
+
+
+def typing_is_list(tp: Any) -> bool:
+    return typing.get_origin(tp) is list
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def _single(values: list[str]) -> str:
+    if len(values) > 1:
+        raise ConfigError(f"expected one positional argument, got {len(values)}: {' '.join(values)}")
+    return values[0]
+
+
+def build_config(cls: type, argv: list[str], positional: str | None = None) -> Any:
+    yaml_path, overrides = parse_cli(cls, argv, positional)
+    return load_config(cls, yaml_path, overrides)
+
+
+def usage() -> str:
+    lines = ["usage: python -m pipeline <command> [--config FILE.yaml] [--key=value ...]", "", "commands:"]
+    lines += [f"  {name:<11} {cmd.summary}" for name, cmd in COMMANDS.items()]
+    lines += ["", "python -m pipeline <command> --help lists the command's options."]
+    return "\n".join(lines)
+
+
+def setup_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    command = COMMANDS.get(name)
+    if command is None:
+        print(f"error: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(command.module)
+    if "-h" in rest or "--help" in rest:
+        pos = f" [{command.positional.upper()} ...]" if command.positional else ""
+        print(f"usage: python -m pipeline {name} [--config FILE.yaml] [--key=value ...]{pos}\n")
+        print(f"{command.summary}\n\noptions:")
+        print("\n".join(help_lines(module.Config)))
+        return 0
+    setup_logging()
+    try:
+        cfg = build_config(module.Config, rest, command.positional)
+        return int(module.run(cfg) or 0)
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,151 @@
+"""The sentence encoder: a ``transformers`` backbone, a pooling rule and L2 normalisation.
+
+On disk an encoder is an ordinary Hugging Face folder (``config.json``, ``model.safetensors``, the
+tokenizer files) plus ``encoder.json`` with the pooling rule and maximum length, so that any
+``from_pretrained`` name or local folder (``hfl/rbt3``, ``bert-base-chinese``, one of our
+checkpoints' ``model/`` folders) loads the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.errors import InputError
+
+Pooling = Literal["cls", "mean", "first_last_avg"]
+POOLINGS: tuple[str, ...] = ("cls", "mean", "first_last_avg")
+ENCODER_FILE = "encoder.json"
+
+
+def _masked_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.unsqueeze(-1).to(hidden.dtype)  # (B, L, 1)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)  # (B, H)
+
+
+def pool(hidden_states: Sequence[torch.Tensor], attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """Pool token states into one vector per sentence (not yet normalised).
+
+    ``first_last_avg`` averages the mean-pooled output of the first transformer layer and of the
+    last one (hidden_states[1] and [-1]; hidden_states[0] is the embedding layer), as SimCSE does.
+    """
+    last = hidden_states[-1]  # (B, L, H)
+    if pooling == "cls":
+        return last[:, 0]
+    if pooling == "mean":
+        return _masked_mean(last, attention_mask)
+    if pooling == "first_last_avg":
+        return (_masked_mean(hidden_states[1], attention_mask) + _masked_mean(last, attention_mask)) / 2
+    raise ValueError(f"unknown pooling {pooling!r}; choose one of {POOLINGS}")
+
+
+class SentenceEncoder(nn.Module):
+    """Maps token ids to L2-normalised sentence embeddings of shape (B, H)."""
+
+    def __init__(self, backbone: nn.Module, tokenizer: Any, pooling: str = "cls", max_length: int = 64):
+        super().__init__()
+        if pooling not in POOLINGS:
+            raise ValueError(f"unknown pooling {pooling!r}; choose one of {POOLINGS}")
+        self.backbone = backbone
+        self.tokenizer = tokenizer
+        self.pooling = pooling
+        self.max_length = max_length
+
+    @property
+    def dim(self) -> int:
+        return int(self.backbone.config.hidden_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        need_all = self.pooling == "first_last_avg"
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            output_hidden_states=need_all,
+            return_dict=True,
+        )
+        states = out.hidden_states if need_all else (out.last_hidden_state,)
+        return F.normalize(pool(states, attention_mask, self.pooling), dim=-1)  # (B, H)
+
+    def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
+        return self.tokenizer(
+            list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
+
+    @torch.no_grad()
+    def encode(
+        self, texts: Sequence[str], batch_size: int = 128, progress: bool = False, desc: str = "encode"
+    ) -> np.ndarray:
+        """Embed ``texts`` in eval mode; returns float32 (N, H), rows L2-normalised.
+
+        Sentences are sorted by length so each batch pads little, then put back in input order.
+        """
+        from tqdm.auto import tqdm
+
+        was_training = self.training
+        self.eval()
+        device = next(self.parameters()).device
+        order = np.argsort([-len(t) for t in texts], kind="stable")
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        batches = range(0, len(texts), batch_size)
+        for start in tqdm(batches, desc=desc, disable=not progress, unit="batch"):
+            idx = order[start : start + batch_size]
+            batch = self.tokenize([texts[i] for i in idx])
+            batch = {k: v.to(device) for k, v in batch.items()}
+            out[idx] = self(**batch).float().cpu().numpy()
+        self.train(was_training)
+        return out
+
+    # ------------------------------------------------------------------------------------------ disk
+    def save_pretrained(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.backbone.save_pretrained(directory, safe_serialization=True)
+        self.tokenizer.save_pretrained(directory)
+        meta = {"pooling": self.pooling, "max_length": self.max_length, "normalize": True}
+        (directory / ENCODER_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_dir: str | Path, pooling: str | None = None, max_length: int | None = None, **kwargs: Any
+    ) -> SentenceEncoder:
+        """Load a backbone and tokenizer by Hub name or local folder.
+
+        ``pooling``/``max_length`` default to the folder's ``encoder.json`` if it has one, else
+        ``cls``/64. The backbone is built without its pooler: the pooler is unused, and DDP fails on
+        parameters that get no gradient.
+        """
+        from transformers import AutoModel, AutoTokenizer
+
+        meta: dict[str, Any] = {}
+        local = Path(name_or_dir)
+        if local.is_dir() and (local / ENCODER_FILE).is_file():
+            meta = json.loads((local / ENCODER_FILE).read_text(encoding="utf-8"))
+        elif str(name_or_dir).startswith((".", "/")) and not local.exists():
+            raise InputError(f"model folder {name_or_dir} does not exist")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(name_or_dir))
+            try:
+                backbone = AutoModel.from_pretrained(str(name_or_dir), add_pooling_layer=False, **kwargs)
+            except TypeError:  # architectures without a pooler do not take the argument
+                backbone = AutoModel.from_pretrained(str(name_or_dir), **kwargs)
+        except OSError as exc:
+            raise InputError(f"cannot load model {name_or_dir!r}: {exc}".splitlines()[0]) from None
+        return cls(
+            backbone,
+            tokenizer,
+            pooling=pooling or meta.get("pooling", "cls"),
+            max_length=max_length or meta.get("max_length", 64),
+        )

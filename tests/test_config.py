@@ -1,0 +1,82 @@
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from pipeline.cli import build_config, parse_cli
+from pipeline.config import load_config, option, to_dict
+from pipeline.errors import ConfigError
+
+
+@dataclass
+class Optim:
+    lr: float = option(1e-3, "learning rate")
+    betas: list[float] = option([0.9, 0.999], "Adam betas")
+
+
+@dataclass
+class Cfg:
+    inputs: list[Path] = option(factory=list, help="inputs")
+    workers: int = option(1, "workers")
+    strict: bool = option(False, "strict")
+    pooling: Literal["cls", "mean"] = option("cls", "pooling")
+    name: str | None = option(None, "optional name")
+    optim: Optim = option(factory=Optim, help="optimizer")
+
+    def __post_init__(self):
+        if self.workers < 1:
+            raise ConfigError("workers must be >= 1; set --workers to a positive number")
+
+
+def test_yaml_then_overrides(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("workers: 3\noptim:\n  lr: 0.5\n")
+    cfg = build_config(Cfg, ["--config", str(y), "--optim.lr=2e-5", "a.txt", "b.txt", "--strict"], "inputs")
+    assert cfg.workers == 3
+    assert cfg.optim.lr == pytest.approx(2e-5)
+    assert cfg.strict is True
+    assert cfg.inputs == [Path("a.txt"), Path("b.txt")]
+    assert to_dict(cfg)["inputs"] == ["a.txt", "b.txt"]
+
+
+def test_dashes_and_space_separated_values():
+    _, overrides = parse_cli(Cfg, ["--workers", "4", "--pooling=mean", "--strict", "false"])
+    assert overrides == {"workers": 4, "pooling": "mean", "strict": False}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--wrokers=2"], "unknown config key 'wrokers'. Did you mean 'workers'"),
+        (["--optim.lrr=1"], "unknown config key 'optim.lrr'"),
+        (["--workers=two"], "workers: expected an integer"),
+        (["--pooling=max"], "'max' is not one of"),
+        (["--workers=0"], "workers must be >= 1"),
+        (["--optim.betas=[0.9, x]"], "optim.betas[1]: expected a number"),
+    ],
+)
+def test_bad_keys_and_types_name_the_key(argv, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        build_config(Cfg, argv, "inputs")
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("optim:\n  momentum: 0.9\n")
+    with pytest.raises(ConfigError, match="unknown config key 'optim.momentum'"):
+        load_config(Cfg, y)
+
+
+def test_yaml_must_be_mapping(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(Cfg, y)
+
+
+def test_cli_prints_one_line_for_unknown_command(capsys):
+    from pipeline.cli import main
+
+    assert main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
