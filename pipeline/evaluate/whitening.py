@@ -1,0 +1,53 @@
+"""BERT-whitening (Su et al. 2021, "Whitening Sentence Representations for Better Semantics and Faster
+Retrieval"): map embeddings to zero mean and identity covariance, optionally keeping the first
+``dim`` principal directions, which also reduces the dimension.
+
+``x_white = (x - mu) @ W`` with ``W = U[:, :dim] / sqrt(S[:dim])`` from the SVD of the covariance.
+Shared by evaluation (whitened Spearman) and search (dimension reduction stored with an index).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class Whitening:
+    mean: np.ndarray  # (H,)
+    matrix: np.ndarray  # (H, dim)
+
+    @property
+    def dim(self) -> int:
+        return int(self.matrix.shape[1])
+
+    def apply(self, x: np.ndarray, normalize: bool = True) -> np.ndarray:
+        y = (x - self.mean) @ self.matrix  # (N, dim)
+        if normalize:
+            y /= np.linalg.norm(y, axis=1, keepdims=True).clip(min=1e-12)
+        return y.astype(np.float32)
+
+    def save(self, path: str | Path) -> None:
+        np.savez(path, mean=self.mean, matrix=self.matrix)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Whitening:
+        with np.load(path, allow_pickle=False) as data:
+            return cls(mean=data["mean"], matrix=data["matrix"])
+
+
+def fit_whitening(x: np.ndarray, dim: int | None = None, eps: float = 1e-8) -> Whitening:
+    """Fit on embeddings ``x`` (N, H); ``dim`` keeps the top principal directions (None: all)."""
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 2 or x.shape[0] < 2:
+        raise ValueError(f"whitening needs at least 2 embeddings of shape (N, H), got {x.shape}")
+    dim = x.shape[1] if dim is None else dim
+    if not 0 < dim <= x.shape[1]:
+        raise ValueError(f"whitening dim must be in 1..{x.shape[1]}, got {dim}")
+    mean = x.mean(axis=0)
+    cov = np.cov((x - mean).T)  # (H, H)
+    u, s, _ = np.linalg.svd(cov)
+    matrix = u[:, :dim] / np.sqrt(s[:dim] + eps)
+    return Whitening(mean=mean.astype(np.float32), matrix=matrix.astype(np.float32))
