@@ -23,7 +23,9 @@ from pipeline.errors import ConfigError, PipelineError
 class Command:
     module: str  # a module exposing ``Config`` (dataclass) and ``run(cfg) -> int | None``
     summary: str
-    positional: str | None = None  # the config field that positional arguments fill
+    # The config field(s) that positional arguments fill, in order; the last one takes the rest if it
+    # is a list (e.g. ("index_dir", "queries") for `search INDEX_DIR "q1" "q2"`).
+    positional: str | tuple[str, ...] | None = None
 
 
 COMMANDS: dict[str, Command] = {
@@ -37,12 +39,17 @@ COMMANDS: dict[str, Command] = {
         "pipeline.export", "checkpoint -> sentence-transformers folder, Hub push", "checkpoint"
     ),
     "index": Command("pipeline.search.index", "encode sentences into a faiss index", "model"),
-    "search": Command("pipeline.search.query", "query a faiss index", "index_dir"),
+    "search": Command("pipeline.search.query", "query a faiss index", ("index_dir", "queries")),
 }
 
 
-def parse_cli(cls: type, argv: list[str], positional: str | None = None) -> tuple[str | None, dict[str, Any]]:
-    """Split ``argv`` into a YAML path and dotted overrides typed against ``cls``."""
+def parse_cli(
+    cls: type, argv: list[str], positional: str | tuple[str, ...] | None = None
+) -> tuple[str | None, dict[str, Any]]:
+    """Split ``argv`` into a YAML path and dotted overrides typed against ``cls``.
+
+    A one-letter ``-k 10`` is the same as ``--k 10``.
+    """
     yaml_path: str | None = None
     overrides: dict[str, Any] = {}
     positional_values: list[str] = []
@@ -50,6 +57,8 @@ def parse_cli(cls: type, argv: list[str], positional: str | None = None) -> tupl
     while i < len(argv):
         token = argv[i]
         i += 1
+        if len(token) == 2 and token[0] == "-" and token[1].isalpha():
+            token = "-" + token  # -k -> --k
         if not token.startswith("--") or token == "--":
             if token == "--":
                 positional_values.extend(argv[i:])
@@ -81,10 +90,18 @@ def parse_cli(cls: type, argv: list[str], positional: str | None = None) -> tupl
         else:
             overrides[key] = parse_value(value, tp)
     if positional_values:
-        if positional is None:
+        names = (positional,) if isinstance(positional, str) else tuple(positional or ())
+        if not names:
             raise ConfigError(f"unexpected argument {positional_values[0]!r}; write options as --key=value")
-        tp = field_type(cls, positional)
-        overrides[positional] = positional_values if typing_is_list(tp) else _single(positional_values)
+        for n, name in enumerate(names):
+            last = n == len(names) - 1
+            tp = field_type(cls, name)
+            if last:
+                values, positional_values = positional_values, []
+                if values:
+                    overrides[name] = values if typing_is_list(tp) else _single(values)
+            elif positional_values:
+                overrides[name] = parse_value(positional_values.pop(0), tp)
     return yaml_path, overrides
 
 
@@ -102,7 +119,7 @@ def _single(values: list[str]) -> str:
     return values[0]
 
 
-def build_config(cls: type, argv: list[str], positional: str | None = None) -> Any:
+def build_config(cls: type, argv: list[str], positional: str | tuple[str, ...] | None = None) -> Any:
     yaml_path, overrides = parse_cli(cls, argv, positional)
     return load_config(cls, yaml_path, overrides)
 
@@ -132,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(command.module)
     if "-h" in rest or "--help" in rest:
-        pos = f" [{command.positional.upper()} ...]" if command.positional else ""
+        names = (command.positional,) if isinstance(command.positional, str) else command.positional or ()
+        pos = "".join(f" {n.upper()}" for n in names)
         print(f"usage: python -m pipeline {name} [--config FILE.yaml] [--key=value ...]{pos}\n")
         print(f"{command.summary}\n\noptions:")
         print("\n".join(help_lines(module.Config)))

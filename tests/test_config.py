@@ -80,3 +80,17 @@ def test_cli_prints_one_line_for_unknown_command(capsys):
 
     assert main(["frobnicate"]) == 2
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+@dataclass
+class SearchLike:
+    index_dir: Path | None = option(None, "index")
+    queries: list[str] = option(factory=list, help="queries")
+    k: int = option(10, "top k")
+
+
+def test_several_positionals_and_short_flags():
+    cfg = build_config(SearchLike, ["idx", "北京天气", "-k", "3", "上海"], ("index_dir", "queries"))
+    assert cfg.index_dir == Path("idx")
+    assert cfg.queries == ["北京天气", "上海"]
+    assert cfg.k == 3
