@@ -1,0 +1,264 @@
+"""The training configuration: one typed dataclass per section, validated before anything runs.
+
+Checks that need only the config live in ``__post_init__``; checks that need the world size or the
+data on disk (global batch vs ranks, k vs the cached variants, missing shards) live in
+:func:`check_against_environment`, which :func:`pipeline.train.build.build` calls before it builds a
+model. Every mistake is a :class:`ConfigError` whose message says what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pipeline.config import option
+from pipeline.errors import ConfigError
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+OBJECTIVES = ("luse", "simcse", "sup_simcse", "cosent", "sbert")
+UNSUPERVISED = ("luse", "simcse")
+
+
+def resolve_path(path: Path) -> Path:
+    """A relative path as given if it exists from the working directory, else from the project root.
+
+    Shipped configs name files such as ``launch/configs/model_small.json`` relative to the repository,
+    so they work from any working directory.
+    """
+    if path.is_absolute() or path.exists():
+        return path
+    alt = PROJECT_ROOT / path
+    return alt if alt.exists() else path
+
+
+@dataclass
+class DataConfig:
+    shards: Path | None = option(
+        None, "Directory of augmented shards (with manifest.json); the unsupervised objectives read it."
+    )
+    num_variants: int = option(
+        4, "k: cached EDA variants used per sentence as positives (at most what the augment stage cached)."
+    )
+    num_dropout_views: int = option(1, "d: extra dropout re-encodings of the original used as positives.")
+    max_length: int = option(64, "Maximum tokens per sentence (longer ones are truncated).")
+    num_workers: int = option(2, "DataLoader worker processes per rank (0 = tokenise in the main process).")
+    prefetch_factor: int = option(4, "Batches each loader worker prepares ahead.")
+    supervised_file: Path | None = option(
+        None, "TSV/JSONL pair or triple file for sup_simcse, cosent and sbert (e.g. STS-B.train.tsv)."
+    )
+    verify_shards: bool = option(True, "Check every shard's size and sha256 against the manifest at start.")
+
+    def __post_init__(self) -> None:
+        if self.num_variants < 0:
+            raise ConfigError("data.num_variants must be >= 0; set --data.num_variants to 0 or more")
+        if self.num_dropout_views < 0:
+            raise ConfigError(
+                "data.num_dropout_views must be >= 0; set --data.num_dropout_views to 0 or more"
+            )
+        if self.max_length < 4:
+            raise ConfigError("data.max_length must be >= 4 tokens; raise --data.max_length")
+        if self.num_workers < 0:
+            raise ConfigError("data.num_workers must be >= 0; set --data.num_workers=0 to load in-process")
+        if self.prefetch_factor < 1:
+            raise ConfigError("data.prefetch_factor must be >= 1")
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str | None = option(
+        None,
+        "A transformers encoder by Hub name or local folder (e.g. hfl/rbt3); empty = build from scratch.",
+    )
+    scratch_config: Path = option(
+        Path("launch/configs/model_small.json"), "BertConfig fields (JSON) for a from-scratch model."
+    )
+    vocab_min_count: int = option(
+        2, "Scratch model: keep characters seen at least this often in training text."
+    )
+    vocab_max_size: int = option(8000, "Scratch model: vocabulary size cap (special + ASCII + characters).")
+    vocab_max_sentences: int = option(
+        200_000, "Scratch model: count characters over at most this many training sentences."
+    )
+    pooling: Literal["cls", "mean", "first_last_avg"] = option("cls", "How token states become one vector.")
+    dropout: float | None = option(
+        None, "Hidden and attention dropout; empty keeps the model's own (dropout makes the views differ)."
+    )
+
+    def __post_init__(self) -> None:
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.vocab_max_size < 100:
+            raise ConfigError("model.vocab_max_size must be >= 100")
+
+
+@dataclass
+class ObjectiveConfig:
+    name: Literal["luse", "simcse", "sup_simcse", "cosent", "sbert"] = option(
+        "luse",
+        "luse (multi-positive + queue, shards), simcse (2 dropout views, shards), sup_simcse (triples), "
+        "cosent (scored pairs), sbert (labelled pairs, softmax classifier).",
+    )
+    temperature: float = option(
+        0.05, "Softmax temperature tau of the contrastive objectives: logits = cos / tau."
+    )
+    queue_size: int = option(
+        0, "LUSE: negatives kept from earlier steps (0 = no queue); a multiple of the batch."
+    )
+    momentum: float = option(
+        0.0, "LUSE: EMA momentum of the key encoder (e.g. 0.999); 0 = keys are the detached online view 0."
+    )
+    cosent_scale: float = option(20.0, "CoSENT: lambda, the scale of cosine differences.")
+    num_labels: int = option(3, "sbert: number of classes in the labelled pair file.")
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ConfigError("objective.temperature must be > 0 (try 0.05)")
+        if self.queue_size < 0:
+            raise ConfigError("objective.queue_size must be >= 0")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError("objective.momentum must be in [0, 1) (0 = no momentum encoder)")
+        if self.name != "luse" and (self.queue_size or self.momentum):
+            raise ConfigError(
+                f"objective.queue_size/momentum apply only to luse, not {self.name}; set them to 0"
+            )
+        if self.num_labels < 2:
+            raise ConfigError("objective.num_labels must be >= 2")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = option(5e-5, "Peak learning rate after warmup.")
+    weight_decay: float = option(0.01, "AdamW weight decay (not applied to biases and LayerNorm weights).")
+    betas: list[float] = option([0.9, 0.999], "AdamW betas.")
+    eps: float = option(1e-8, "AdamW epsilon.")
+    warmup_steps: int = option(100, "Linear warmup from 0 to lr over this many optimizer steps.")
+    schedule: Literal["linear", "cosine", "constant"] = option(
+        "linear", "Decay after warmup, to min_lr_ratio."
+    )
+    min_lr_ratio: float = option(0.0, "Final learning rate as a fraction of lr.")
+    grad_clip: float = option(1.0, "Clip the global gradient norm to this (0 = no clipping).")
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError("optim.lr must be > 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError("optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+        if self.warmup_steps < 0 or self.grad_clip < 0 or self.weight_decay < 0:
+            raise ConfigError("optim.warmup_steps, grad_clip and weight_decay must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError("optim.min_lr_ratio must be in [0, 1]")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = option(1000, "Save a checkpoint every this many optimizer steps (0 = off).")
+    every_minutes: float = option(
+        30.0, "Also save when this many minutes passed since the last save (0 = off)."
+    )
+    keep_last: int = option(3, "Keep the newest this many checkpoints (the best is kept too).")
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0 or self.every_minutes < 0 or self.keep_last < 1:
+            raise ConfigError("checkpoint.every_steps/every_minutes must be >= 0 and keep_last >= 1")
+
+
+@dataclass
+class TrainConfig:
+    global_batch_size: int = option(
+        64, "Sentences per optimizer step over all ranks (each yields n views in the contrastive objectives)."
+    )
+    grad_accum_steps: int = option(
+        1, "Micro-batches per optimizer step. Saves memory but does NOT enlarge the negative set."
+    )
+    max_steps: int = option(0, "Stop after this many optimizer steps (0 = run `epochs` epochs).")
+    epochs: int = option(1, "Passes over the data when max_steps is 0.")
+    mixed_precision: Literal["no", "fp16", "bf16"] = option(
+        "no", "Autocast precision (fp16 uses a grad scaler)."
+    )
+    gradcache_chunk_size: int = option(
+        0, "GradCache: encode the batch in chunks of this many sequences (0 = one forward for the batch)."
+    )
+    seed: int = option(42, "Seed of the model init, the data order and the dropout streams.")
+    cpu: bool = option(False, "Force CPU even when a GPU is present (CI, tests).")
+    deepspeed_config: Path | None = option(
+        None, "DeepSpeed JSON (launch/deepspeed/zero2.json) to train with ZeRO."
+    )
+    log_every: int = option(10, "Log loss, lr, throughput and batch statistics every this many steps.")
+    eval_every: int = option(500, "Evaluate on STS-B valid every this many steps (0 = only at the end).")
+    eval_max_pairs: int = option(0, "Evaluate on the first this many STS-B valid pairs (0 = all).")
+    debug_dump: bool = option(False, "Write RUN_DIR/debug/rank{r}.json (checksums of parameters and queue).")
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size < 2:
+            raise ConfigError("train.global_batch_size must be >= 2 (in-batch negatives need two sentences)")
+        if self.grad_accum_steps < 1:
+            raise ConfigError("train.grad_accum_steps must be >= 1")
+        if self.global_batch_size % self.grad_accum_steps:
+            raise ConfigError(
+                f"train.global_batch_size ({self.global_batch_size}) must be divisible by "
+                f"train.grad_accum_steps ({self.grad_accum_steps})"
+            )
+        if self.max_steps < 0 or self.epochs < 1:
+            raise ConfigError("train.max_steps must be >= 0 and train.epochs >= 1")
+        if self.gradcache_chunk_size < 0 or self.log_every < 1 or self.eval_every < 0:
+            raise ConfigError("train.gradcache_chunk_size/eval_every must be >= 0 and log_every >= 1")
+
+
+@dataclass
+class Config:
+    data: DataConfig = option(factory=DataConfig, help="Training data and views.")
+    model: ModelConfig = option(factory=ModelConfig, help="The encoder.")
+    objective: ObjectiveConfig = option(factory=ObjectiveConfig, help="The loss.")
+    optim: OptimConfig = option(factory=OptimConfig, help="Optimizer and learning-rate schedule.")
+    train: TrainConfig = option(factory=TrainConfig, help="Batching, precision, steps, logging.")
+    checkpoint: CheckpointConfig = option(factory=CheckpointConfig, help="Periodic checkpoints.")
+    run_dir: Path = option(
+        Path("runs/default"), "Output directory: config, logs, metrics, checkpoints, model."
+    )
+    resume: str = option("auto", "auto (newest valid checkpoint in run_dir, else fresh), never, or a path.")
+
+    def __post_init__(self) -> None:
+        name = self.objective.name
+        if name in UNSUPERVISED and self.data.shards is None:
+            raise ConfigError(f"objective {name} reads shards: set --data.shards to an augmented shard dir")
+        if name not in UNSUPERVISED and self.data.supervised_file is None:
+            raise ConfigError(f"objective {name} needs --data.supervised_file (a TSV/JSONL pair/triple file)")
+        if name == "luse" and self.data.num_variants + self.data.num_dropout_views < 1:
+            raise ConfigError(
+                "luse needs at least one positive: set data.num_variants or num_dropout_views >= 1"
+            )
+        if self.train.gradcache_chunk_size and self.train.grad_accum_steps > 1:
+            raise ConfigError("use either train.gradcache_chunk_size or train.grad_accum_steps > 1, not both")
+
+    def num_views(self) -> int:
+        """Views per sentence n: LUSE 1 + k + d, SimCSE 2, the supervised ones their columns."""
+        if self.objective.name == "luse":
+            return 1 + self.data.num_variants + self.data.num_dropout_views
+        if self.objective.name == "simcse":
+            return 2
+        return 3 if self.objective.name == "sup_simcse" else 2
+
+
+def check_against_environment(cfg: Config, world_size: int, cached_variants: int | None) -> None:
+    """Checks that need the world size and the data's manifest; raise before any model is built."""
+    from pipeline.train.queue import validate_queue_size
+
+    per_rank, accum = cfg.train.global_batch_size, cfg.train.grad_accum_steps
+    if per_rank % (world_size * accum):
+        raise ConfigError(
+            f"train.global_batch_size ({per_rank}) must be divisible by world size x grad_accum_steps "
+            f"({world_size} x {accum} = {world_size * accum}); pick a multiple of {world_size * accum}"
+        )
+    if cfg.objective.queue_size:
+        validate_queue_size(cfg.objective.queue_size, per_rank // accum)
+    if (
+        cfg.objective.name == "luse"
+        and cached_variants is not None
+        and cfg.data.num_variants > cached_variants
+    ):
+        raise ConfigError(
+            f"data.num_variants={cfg.data.num_variants} but the shards in {cfg.data.shards} cache "
+            f"{cached_variants} variants per sentence; set --data.num_variants <= {cached_variants} "
+            "or re-run augment with more variants"
+        )

@@ -1,0 +1,83 @@
+"""Tiny augmented shards and configs for the training, stream and launch tests (built, never downloaded)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pyarrow as pa
+
+from pipeline.resources import SAMPLE_CORPUS
+from pipeline.shards import atomic_write_json, new_manifest, sentence_id, shard_name, write_shard
+
+SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.uint64(), nullable=False),
+        pa.field("text", pa.string(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("variants", pa.list_(pa.string()), nullable=False),
+        pa.field("variant_ops", pa.list_(pa.string()), nullable=False),
+    ]
+)
+
+
+def sample_sentences(n: int) -> list[str]:
+    """``n`` distinct short sentences cut from the bundled corpus."""
+    out, seen = [], set()
+    for line in SAMPLE_CORPUS.read_text(encoding="utf-8").splitlines():
+        for piece in line.replace("！", "。").replace("？", "。").split("。"):
+            piece = piece.strip()
+            if 6 <= len(piece) <= 40 and piece not in seen:
+                seen.add(piece)
+                out.append(piece)
+                if len(out) == n:
+                    return out
+    raise RuntimeError("corpus too small")
+
+
+def _variants(text: str, k: int, rng: random.Random) -> list[str]:
+    out = []
+    for _ in range(k):
+        chars = list(text)
+        i = rng.randrange(len(chars))
+        del chars[i]  # a deletion: enough to make a distinct, similar variant
+        v = "".join(chars)
+        if v and v != text:
+            out.append(v)
+    return out
+
+
+def make_shards(
+    directory: Path, block_sizes: list[list[int]], num_variants: int = 4, seed: int = 0
+) -> list[int]:
+    """Shards with ``block_sizes[shard][block]`` rows each; returns every id in write order.
+
+    Every 7th sentence gets fewer variants than ``num_variants`` (like a short sentence in augment).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    total = sum(sum(s) for s in block_sizes)
+    texts = sample_sentences(total)
+    rng = random.Random(seed)
+    ids, entries, pos = [], [], 0
+    for s, sizes in enumerate(block_sizes):
+        blocks = []
+        for size in sizes:
+            rows = texts[pos : pos + size]
+            pos += size
+            variants = [_variants(t, num_variants - (i % 7 == 0), rng) for i, t in enumerate(rows)]
+            table = pa.table(
+                {
+                    "id": [sentence_id(t) for t in rows],
+                    "text": rows,
+                    "source": ["plain"] * len(rows),
+                    "variants": variants,
+                    "variant_ops": [["rd"] * len(v) for v in variants],
+                },
+                schema=SCHEMA,
+            )
+            ids.extend(sentence_id(t) for t in rows)
+            blocks.append(table)
+        entries.append(write_shard(directory / shard_name(s), blocks, s))
+    manifest = new_manifest("augment", {"num_variants": num_variants}, entries, counts={})
+    atomic_write_json(directory / "manifest.json", manifest)
+    return ids

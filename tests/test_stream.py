@@ -1,0 +1,101 @@
+from collections import Counter
+
+import numpy as np
+import pytest
+from _train_data import make_shards
+
+from pipeline.data.stream import BatchStream, EpochOrder, MemorySource, ShardSource, index_shards
+from pipeline.errors import ConfigError
+
+
+def ids_only(rows):
+    return {"ids": list(rows["id"])}
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shards")
+    # uneven blocks and shards: 3 shards, 7 blocks, 100 rows
+    ids = make_shards(d, [[20, 13], [9, 30, 5], [17, 6]], num_variants=2)
+    return d, ids
+
+
+def streams(d, world, workers, G=12, seed=3):
+    blocks = index_shards(d)
+    return [
+        BatchStream(ShardSource(blocks, ["id"]), ids_only, G, r, world, seed, num_workers=workers)
+        for r in range(world)
+    ]
+
+
+@pytest.mark.parametrize("world, workers", [(1, 0), (2, 2), (3, 1), (4, 2)])
+def test_every_sample_once_per_epoch(shards, world, workers):
+    d, ids = shards
+    per_rank = [[b["ids"] for b in s.epoch_batches()] for s in streams(d, world, workers)]
+    counts = {len(batches) for batches in per_rank}
+    assert counts == {100 // 12}  # every rank takes the same number of steps
+    seen = Counter(i for batches in per_rank for b in batches for i in b)
+    assert max(seen.values()) == 1
+    assert len(seen) == (100 // 12) * 12  # the partial tail (4 samples) is dropped
+    assert set(seen) <= set(ids)
+    s = streams(d, world, workers)[0]
+    assert s.dropped_per_epoch == 4 and s.cursor.epoch == 0
+
+
+def test_order_is_world_size_free_and_seeded(shards):
+    d, _ = shards
+    one = [b["ids"] for b in streams(d, 1, 0)[0].epoch_batches()]
+    two = list(zip(*[[b["ids"] for b in s.epoch_batches()] for s in streams(d, 2, 2)]))
+    assert [a + b for a, b in two] == one  # rank slices of the same global batches
+    other_epoch = streams(d, 1, 0)[0]
+    other_epoch.cursor.epoch = 1
+    assert [b["ids"] for b in other_epoch.epoch_batches()] != one
+    assert [b["ids"] for b in streams(d, 1, 0, seed=4)[0].epoch_batches()] != one
+
+
+def test_resume_at_other_world_size_gives_the_rest(shards):
+    d, ids = shards
+    full = [b["ids"] for b in streams(d, 1, 0)[0].epoch_batches()]
+    two = streams(d, 2, 1)
+    consumed = []
+    iters = [iter(s) for s in two]
+    for _ in range(3):
+        for it in iters:
+            consumed.extend(next(it)["ids"])
+    assert two[0].state_dict() == two[1].state_dict()
+    state = two[0].state_dict()
+    assert state["batches"] == 3 and state["epoch"] == 0
+    one = streams(d, 1, 2)[0]
+    one.load_state_dict(state)
+    rest = [i for b in one.epoch_batches() for i in b["ids"]]
+    assert sorted(consumed + rest) == sorted(i for b in full for i in b)
+    assert rest == [i for b in full[3:] for i in b]
+    assert one.cursor.epoch == 1 and one.cursor.batches == 0
+
+
+def test_cursor_from_other_batch_size_is_refused(shards):
+    d, _ = shards
+    state = streams(d, 1, 0, G=12)[0].state_dict()
+    with pytest.raises(ConfigError, match="global_batch_size=12"):
+        streams(d, 1, 0, G=10)[0].load_state_dict(state)
+
+
+def test_memory_source_same_semantics():
+    records = {"index": list(range(50)), "sentence1": [str(i) for i in range(50)]}
+    ss = [BatchStream(MemorySource(records), lambda r: {"ids": r["index"]}, 8, r, 2, 0) for r in range(2)]
+    got = [i for s in ss for b in s.epoch_batches() for i in b["ids"]]
+    assert len(got) == 48 and len(set(got)) == 48
+
+
+def test_locate_matches_a_direct_permutation():
+    order = EpochOrder([3, 5, 2], seed=1, epoch=0)
+    flat = [(blk, int(r)) for blk, rows in order.locate(0, 10) for r in rows]
+    assert sorted(flat) == sorted((b, r) for b, n in enumerate([3, 5, 2]) for r in range(n))
+    parts = order.locate(2, 7)
+    assert [(b, int(r)) for b, rows in parts for r in rows] == flat[2:7]
+    assert np.array_equal(order.row_permutation(1), EpochOrder([3, 5, 2], 1, 0).row_permutation(1))
+
+
+def test_missing_shards_dir_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="is not a directory"):
+        index_shards(tmp_path / "nope")
