@@ -1,0 +1,424 @@
+"""``python -m pipeline augment --shards IN --out OUT``: cache EDA variants beside every sentence.
+
+Reads the shards of ``preprocess`` and writes shards of the same names, rows and blocks with two more
+columns, ``variants`` and ``variant_ops`` (``shards/README.md``). Units of work are shards: local
+worker processes (``--workers``) and SLURM array tasks (``--task-index/--num-tasks``: task t takes the
+shards i with ``i % num_tasks == t``) split them, and a finished shard is skipped on a rerun.
+A shard's variants are a pure function of (seed, sentence id, config), so the output does not depend
+on the number of workers or tasks, nor on restarts. ``manifest.json`` is written once every shard
+exists, by whichever task finishes last (or by ``--finalize-only``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import multiprocessing as mp
+import queue
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow as pa
+
+from pipeline.augment.eda import OPS, Augmenter, EdaParams, parse_op
+from pipeline.augment.synonyms import load_cilin, load_stopwords, load_vector_cache
+from pipeline.config import option, to_dict
+from pipeline.errors import ConfigError, InputError
+from pipeline.resources import CILIN
+from pipeline.shards import (
+    MANIFEST,
+    atomic_write_json,
+    read_manifest,
+    read_shard,
+    sha256_file,
+    verify_shard,
+    write_shard,
+)
+
+log = logging.getLogger(__name__)
+
+STOPWORDS = Path(__file__).resolve().parent / "stopwords_zh.txt"
+WORK_DIR = ".augment-work"  # per-shard completion records of an unfinished run (not part of the output)
+# Fields that say how to run, not what to compute: left out of the manifest so outputs compare equal.
+EXECUTION_FIELDS = ("out", "workers", "task_index", "num_tasks", "finalize_only", "progress")
+VARIANT_FIELDS = [
+    pa.field("variants", pa.list_(pa.string()), nullable=False),
+    pa.field("variant_ops", pa.list_(pa.string()), nullable=False),
+]
+
+
+@dataclass
+class Config:
+    shards: Path = option(help="Input directory written by `preprocess` (manifest.json + shards).")
+    out: Path = option(help="Output directory for the augmented shards and their manifest.")
+    num_variants: int = option(4, "Variants per sentence (LUSE uses 4). Short sentences may get fewer.")
+    alpha_sr: float = option(0.1, "Synonym replacement: share of words replaced (at least one).")
+    alpha_ri: float = option(0.1, "Random insertion: synonyms inserted per word (at least one).")
+    alpha_rs: float = option(0.1, "Random swap: swaps per word (at least one).")
+    alpha_rd: float = option(0.1, "Random deletion: probability of deleting each word (at least one).")
+    ops: list[str] = option(
+        list(OPS), "Operation specs to mix: sr, ri, rs, rd, or a sequence such as 'sr+rd' applied in order."
+    )
+    mix: Literal["cycle", "sample"] = option(
+        "cycle",
+        "cycle: variant i uses the i-th spec of `ops` that applies to the sentence (4 variants = one of "
+        "each op); sample: every variant draws a spec with `op_weights`.",
+    )
+    op_weights: list[float] = option([], "Weights of `ops` for mix=sample (empty: equal weights).")
+    max_attempts: int = option(10, "Candidates tried per variant before the sentence gets fewer variants.")
+    min_words: int = option(2, "Sentences with fewer jieba words are not augmented (recorded as short).")
+    seed: int = option(0, "Seed; variants are a pure function of (seed, sentence id, config).")
+    synonyms: Literal["cilin", "vectors"] = option(
+        "cilin", "Synonym source: the Cilin dictionary or a word-vector cache built by `synonyms`."
+    )
+    synonyms_path: Path | None = option(
+        None, "Cilin file (default: the bundled one) or the Parquet cache (required for vectors)."
+    )
+    stopwords: Path | None = option(None, "Stopword file, one word per line (default: the bundled list).")
+    hmm: bool = option(False, "Let jieba guess unknown words with its HMM (slower, rarely matters for EDA).")
+    workers: int = option(1, "Local worker processes; each takes whole shards.")
+    task_index: int = option(0, "This task's index among --num-tasks (SLURM_ARRAY_TASK_ID).")
+    num_tasks: int = option(1, "Number of tasks sharing the shards (SLURM_ARRAY_TASK_COUNT).")
+    finalize_only: bool = option(
+        False, "Only write manifest.json from finished shards (fails if any is missing)."
+    )
+    progress: bool = option(True, "Show a progress bar (sentences/s).")
+
+    def __post_init__(self) -> None:
+        if self.num_variants < 1:
+            raise ConfigError("num_variants must be >= 1; set --num-variants to a positive number")
+        for op in OPS:
+            alpha = getattr(self, f"alpha_{op}")
+            if not 0.0 < alpha <= 1.0:
+                raise ConfigError(f"alpha_{op} must be in (0, 1], got {alpha}; set --alpha-{op}")
+        if not self.ops:
+            raise ConfigError(f"ops is empty; list at least one of {', '.join(OPS)}")
+        for spec in self.ops:
+            try:
+                parse_op(spec)
+            except ValueError as exc:
+                raise ConfigError(f"ops: {exc}") from None
+        if self.op_weights:
+            if len(self.op_weights) != len(self.ops):
+                raise ConfigError(
+                    f"op_weights has {len(self.op_weights)} entries for {len(self.ops)} ops; "
+                    "give one weight per op or none"
+                )
+            if any(w < 0 for w in self.op_weights) or sum(self.op_weights) <= 0:
+                raise ConfigError("op_weights must be >= 0 with a positive sum")
+            if self.mix != "sample":
+                raise ConfigError("op_weights only apply to --mix sample; drop them or set --mix sample")
+        if self.max_attempts < 1:
+            raise ConfigError("max_attempts must be >= 1")
+        if self.min_words < 1:
+            raise ConfigError("min_words must be >= 1")
+        if self.synonyms == "vectors" and self.synonyms_path is None:
+            raise ConfigError(
+                "synonyms=vectors needs --synonyms-path CACHE.parquet (build it with `python -m pipeline "
+                "synonyms`)"
+            )
+        if self.workers < 1:
+            raise ConfigError("workers must be >= 1")
+        if self.num_tasks < 1 or not 0 <= self.task_index < self.num_tasks:
+            raise ConfigError(
+                f"task_index must be in [0, num_tasks), got {self.task_index} of {self.num_tasks}; "
+                "for a SLURM array pass --task-index $SLURM_ARRAY_TASK_ID --num-tasks $SLURM_ARRAY_TASK_COUNT"
+            )
+
+    def eda_params(self) -> EdaParams:
+        return EdaParams(
+            num_variants=self.num_variants,
+            alpha={op: getattr(self, f"alpha_{op}") for op in OPS},
+            ops=tuple(self.ops),
+            weights=tuple(self.op_weights) or None,
+            mix=self.mix,
+            max_attempts=self.max_attempts,
+            min_words=self.min_words,
+            seed=self.seed,
+        )
+
+    def resolved_synonyms_path(self) -> Path:
+        return self.synonyms_path if self.synonyms_path is not None else CILIN
+
+    def resolved_stopwords(self) -> Path:
+        return self.stopwords if self.stopwords is not None else STOPWORDS
+
+
+# --------------------------------------------------------------------------------------------- workers
+def build_augmenter(cfg: Config) -> Augmenter:
+    """Load jieba, synonyms and stopwords: once per worker process (each takes ~1 s)."""
+    import jieba
+
+    jieba.setLogLevel(logging.WARNING)  # it logs the dictionary load at INFO/DEBUG on every process
+    jieba.initialize()
+    path = cfg.resolved_synonyms_path()
+    synonyms = load_cilin(path) if cfg.synonyms == "cilin" else load_vector_cache(path)
+    stopwords = load_stopwords(cfg.resolved_stopwords())
+    hmm = cfg.hmm
+
+    def segment(text: str) -> list[str]:
+        return jieba.lcut(text, HMM=hmm)
+
+    return Augmenter(cfg.eda_params(), synonyms, stopwords, segment)
+
+
+_worker: dict[str, Any] = {}  # this process's augmenter and progress queue (set by _init_worker)
+
+
+def _init_worker(cfg: Config, progress: Any) -> None:
+    _worker["augmenter"] = build_augmenter(cfg)
+    _worker["progress"] = progress
+
+
+def _run_in_worker(job: ShardJob) -> dict[str, Any]:
+    return augment_shard(job, _worker["augmenter"], _worker["progress"].put)
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    in_dir: Path
+    entry: dict[str, Any]  # the input manifest's entry for this shard
+    out_dir: Path
+    shard_index: int
+
+
+def empty_counts() -> dict[str, Any]:
+    return {
+        "sentences": 0,
+        "variants": 0,
+        "short": 0,
+        "no_variants": 0,
+        "by_op": {op: 0 for op in OPS},
+        "rejected": 0,
+        "duplicates": 0,
+    }
+
+
+def add_counts(total: dict[str, Any], part: dict[str, Any]) -> None:
+    for key, value in part.items():
+        if isinstance(value, dict):
+            add_counts(total.setdefault(key, {}), value)
+        else:
+            total[key] = total.get(key, 0) + value
+
+
+def augment_block(block: pa.Table, augmenter: Augmenter, counts: dict[str, Any]) -> pa.Table:
+    all_variants, all_ops = [], []
+    num_variants = augmenter.params.num_variants
+    for sentence_id, text in zip(block.column("id").to_pylist(), block.column("text").to_pylist()):
+        variants, ops = augmenter.augment(sentence_id, text, counts)
+        all_variants.append(variants)
+        all_ops.append(ops)
+        counts["variants"] += len(variants)
+        counts["short"] += len(variants) < num_variants
+        counts["no_variants"] += not variants
+        for spec in ops:
+            for op in spec.split("+"):
+                counts["by_op"][op] += 1
+    counts["sentences"] += block.num_rows
+    columns = [pa.array(all_variants, pa.list_(pa.string())), pa.array(all_ops, pa.list_(pa.string()))]
+    for field, column in zip(VARIANT_FIELDS, columns):
+        block = block.append_column(field, column)
+    return block
+
+
+def augment_shard(job: ShardJob, augmenter: Augmenter, report: Any = None) -> dict[str, Any]:
+    """Verify one input shard, write its augmented copy, then its completion record; return the record."""
+    in_path = verify_shard(job.in_dir, job.entry)
+    for stale in job.out_dir.glob(f".{job.entry['name']}.tmp-*"):  # left by a killed run of this shard
+        stale.unlink(missing_ok=True)
+    counts = empty_counts()
+
+    def blocks():
+        for block in read_shard(in_path):
+            missing = {"id", "text"} - set(block.column_names)
+            if missing:
+                raise InputError(
+                    f"shard {in_path} has no column(s) {sorted(missing)}; is it a preprocess shard?"
+                )
+            if "variants" in block.column_names:
+                raise InputError(
+                    f"shard {in_path} already has variants; augment the preprocess output instead"
+                )
+            yield augment_block(block, augmenter, counts)
+            if report is not None:
+                report(block.num_rows)
+
+    entry = write_shard(job.out_dir / job.entry["name"], blocks(), job.shard_index)
+    record = {"entry": entry, "counts": counts}
+    # Written after the shard: a record means its shard is complete (a shard without one is redone).
+    atomic_write_json(_record_path(job.out_dir, job.entry["name"]), record)
+    return record
+
+
+# --------------------------------------------------------------------------------------------- driver
+def _record_path(out_dir: Path, shard_name: str) -> Path:
+    return out_dir / WORK_DIR / (Path(shard_name).stem + ".json")
+
+
+def _read_record(out_dir: Path, shard_name: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(_record_path(out_dir, shard_name).read_text(encoding="utf-8"))
+    except FileNotFoundError:  # not done yet, or another task finalized and removed the work dir
+        return None
+    shard = out_dir / shard_name
+    if not shard.is_file() or shard.stat().st_size != record["entry"]["bytes"]:
+        return None  # the shard was removed or replaced after the record: redo it
+    return record
+
+
+def _shard_index(name: str, position: int) -> int:
+    match = re.fullmatch(r"shard-(\d+)\.tar", name)
+    return int(match.group(1)) if match else position
+
+
+def recorded_config(cfg: Config) -> dict[str, Any]:
+    return {k: v for k, v in to_dict(cfg).items() if k not in EXECUTION_FIELDS}
+
+
+def run_fingerprint(cfg: Config, in_manifest_sha: str) -> dict[str, Any]:
+    """What the output depends on: config, input manifest, synonym and stopword files."""
+    return {
+        "config": recorded_config(cfg),
+        "input_manifest_sha256": in_manifest_sha,
+        "synonyms_sha256": sha256_file(cfg.resolved_synonyms_path()),
+        "stopwords_sha256": sha256_file(cfg.resolved_stopwords()),
+    }
+
+
+def _check_paths(cfg: Config) -> None:
+    for path, what in (
+        (cfg.resolved_synonyms_path(), "synonyms_path"),
+        (cfg.resolved_stopwords(), "stopwords"),
+    ):
+        if not path.is_file():
+            raise InputError(f"{what} {path} not found; pass an existing file")
+    if cfg.out.resolve() == cfg.shards.resolve():
+        raise ConfigError("out must differ from shards: augment never writes over its input")
+
+
+def _claim_out_dir(cfg: Config, fingerprint: dict[str, Any]) -> None:
+    """Refuse to mix two different runs in one output directory."""
+    work = cfg.out / WORK_DIR
+    work.mkdir(parents=True, exist_ok=True)
+    run_file = work / "run.json"
+    if run_file.is_file():
+        previous = json.loads(run_file.read_text(encoding="utf-8"))
+        if previous != fingerprint:
+            raise InputError(
+                f"{cfg.out} holds an unfinished augment run with a different config or input "
+                f"({run_file}); use another --out or delete that directory"
+            )
+    else:
+        atomic_write_json(run_file, fingerprint)
+
+
+def _process(cfg: Config, jobs: list[ShardJob]) -> None:
+    from tqdm import tqdm
+
+    total = sum(job.entry["sentences"] for job in jobs)
+    bar = tqdm(total=total, unit="sent", unit_scale=True, disable=not cfg.progress, desc="augment")
+    try:
+        if cfg.workers == 1 or len(jobs) == 1:
+            augmenter = build_augmenter(cfg)
+            for job in jobs:
+                augment_shard(job, augmenter, bar.update)
+            return
+        ctx = mp.get_context("spawn")  # no fork of a process that may hold threads (tqdm, pyarrow)
+        progress = ctx.Queue()
+        with cf.ProcessPoolExecutor(
+            min(cfg.workers, len(jobs)), mp_context=ctx, initializer=_init_worker, initargs=(cfg, progress)
+        ) as pool:
+            pending = {pool.submit(_run_in_worker, job) for job in jobs}
+            while pending:
+                done, pending = cf.wait(pending, timeout=0.2, return_when=cf.FIRST_COMPLETED)
+                _drain(progress, bar)
+                for future in done:
+                    future.result()  # re-raises a worker's InputError naming the shard
+            _drain(progress, bar)
+    finally:
+        bar.close()
+
+
+def _drain(progress: Any, bar: Any) -> None:
+    while True:
+        try:
+            bar.update(progress.get_nowait())
+        except queue.Empty:
+            return
+
+
+def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, Any]) -> bool:
+    """Write manifest.json if every shard has its record; return whether it did."""
+    records = [_read_record(cfg.out, e["name"]) for e in in_manifest["shards"]]
+    missing = [e["name"] for e, r in zip(in_manifest["shards"], records) if r is None]
+    if missing:
+        if (cfg.out / MANIFEST).is_file():  # another array task finalized while we looked
+            return True
+        if cfg.finalize_only:
+            raise InputError(
+                f"{len(missing)} shard(s) of {cfg.out} are not finished (first: {missing[0]}); "
+                "run the augment tasks that own them first"
+            )
+        log.info(
+            "%d of %d shards done; the task that finishes last writes the manifest",
+            len(records) - len(missing),
+            len(records),
+        )
+        return False
+    counts = empty_counts()
+    for record in records:
+        add_counts(counts, record["counts"])
+    manifest = _new_manifest(fingerprint, [r["entry"] for r in records], counts)
+    atomic_write_json(cfg.out / MANIFEST, manifest)
+    shutil.rmtree(cfg.out / WORK_DIR, ignore_errors=True)  # the manifest now records everything in it
+    log.info(
+        "wrote %s: %d sentences, %d variants, %d short",
+        cfg.out / MANIFEST,
+        counts["sentences"],
+        counts["variants"],
+        counts["short"],
+    )
+    return True
+
+
+def _new_manifest(fingerprint: dict[str, Any], entries: list[dict[str, Any]], counts: dict) -> dict:
+    from pipeline.shards import new_manifest
+
+    extra = {k: v for k, v in fingerprint.items() if k != "config"}
+    return new_manifest("augment", fingerprint["config"], entries, counts=counts, **extra)
+
+
+def run(cfg: Config) -> int:
+    in_manifest = read_manifest(cfg.shards)
+    if in_manifest.get("stage") != "preprocess":
+        raise InputError(
+            f"{cfg.shards / MANIFEST} was written by stage {in_manifest.get('stage')!r}; "
+            "augment reads the output of `python -m pipeline preprocess`"
+        )
+    _check_paths(cfg)
+    fingerprint = run_fingerprint(cfg, sha256_file(cfg.shards / MANIFEST))
+    out_manifest = cfg.out / MANIFEST
+    if out_manifest.is_file():
+        existing = read_manifest(cfg.out)
+        if {k: existing.get(k) for k in fingerprint} == fingerprint:
+            log.info("%s is already complete; nothing to do", cfg.out)
+            return 0
+        raise InputError(f"{out_manifest} exists from a different config or input; use another --out")
+    _claim_out_dir(cfg, fingerprint)
+    if not cfg.finalize_only:
+        jobs = [
+            ShardJob(cfg.shards, entry, cfg.out, _shard_index(entry["name"], i))
+            for i, entry in enumerate(in_manifest["shards"])
+            if i % cfg.num_tasks == cfg.task_index and _read_record(cfg.out, entry["name"]) is None
+        ]
+        mine = sum(1 for i in range(len(in_manifest["shards"])) if i % cfg.num_tasks == cfg.task_index)
+        log.info("task %d/%d: %d shard(s), %d to do", cfg.task_index, cfg.num_tasks, mine, len(jobs))
+        if jobs:
+            _process(cfg, jobs)
+    finalize(cfg, in_manifest, fingerprint)
+    return 0
