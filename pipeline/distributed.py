@@ -1,0 +1,128 @@
+"""Rank helpers, gathers and reductions, in one place, correct with or without a process group.
+
+Without an initialised ``torch.distributed`` process group (one process, plain ``python`` or a unit
+test) every helper behaves as if the world had one rank: gathers and reductions return their input,
+``barrier`` does nothing. Losses and the negative queue call these helpers unconditionally, so they
+never branch on rank themselves.
+
+Every function below except the rank queries is a *collective*: all ranks must call it, in the same
+order, with tensors of the same shape and dtype, or the job hangs. Rank-dependent control flow around
+them is the usual cause of a deadlock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_gather_no_grad",
+    "all_gather_with_grad",
+    "all_reduce_mean",
+    "all_reduce_sum",
+    "barrier",
+    "broadcast_object",
+    "is_dist",
+    "is_main_process",
+    "rank",
+    "world_size",
+]
+
+
+def is_dist() -> bool:
+    """True when a process group is initialised (and there may be other ranks to talk to)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_dist() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_dist() else 0
+
+
+def is_main_process() -> bool:
+    """Rank 0: the only rank that logs, writes checkpoints or prints progress bars."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    """Wait until every rank arrives (collective)."""
+    if is_dist():
+        dist.barrier()
+
+
+def _gather_list(x: torch.Tensor) -> list[torch.Tensor]:
+    parts = [torch.empty_like(x) for _ in range(world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return parts
+
+
+class _AllGatherWithGrad(torch.autograd.Function):
+    """all_gather whose backward returns to each rank the gradient of its own slice.
+
+    Rank r's loss depends on every rank's slice, so the gradient of slice s is the sum over ranks of
+    d loss_r / d slice_s: backward all-reduces (sums) the incoming gradient and keeps the local rows.
+    DDP then averages parameter gradients over ranks, which makes the result the gradient of the
+    *mean* of the per-rank losses. (reduce_scatter would move less data, but gloo lacks it.)
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.local_rows = x.shape[0]
+        return torch.cat(_gather_list(x), dim=0)  # (W * B, ...)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()  # all_reduce works in place; autograd owns ``grad``
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)  # collective, in the backward pass
+        start = rank() * ctx.local_rows
+        return grad[start : start + ctx.local_rows]  # (B, ...)
+
+
+def all_gather_with_grad(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate ``x`` of every rank along dim 0 in rank order, keeping gradients (collective).
+
+    ``x`` must have the same shape on every rank (our loader gives every rank the same batch size).
+    Gradients flow back to every rank's slice; see :class:`_AllGatherWithGrad`. Without a process
+    group this is the identity.
+    """
+    if not is_dist() or world_size() == 1:
+        return x
+    return _AllGatherWithGrad.apply(x)
+
+
+@torch.no_grad()
+def all_gather_no_grad(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate ``x`` of every rank along dim 0 in rank order, detached (collective)."""
+    if not is_dist() or world_size() == 1:
+        return x.detach()
+    return torch.cat(_gather_list(x.detach()), dim=0)
+
+
+@torch.no_grad()
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of ``x`` over ranks, as a new detached tensor (collective; ``x`` is not modified)."""
+    out = x.detach().clone()
+    if is_dist() and world_size() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+@torch.no_grad()
+def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over ranks, as a new detached tensor (collective), e.g. a loss for logging."""
+    out = all_reduce_sum(x)
+    return out / world_size() if out.is_floating_point() else out.double() / world_size()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s picklable ``obj`` on every rank (collective), e.g. a run directory name."""
+    if not is_dist() or world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

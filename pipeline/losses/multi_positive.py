@@ -1,0 +1,88 @@
+"""LUSE's multi-positive listwise contrastive loss, the default pretraining objective.
+
+Every sentence of a batch arrives as ``n_views`` L2-normalised embeddings: view 0 is the original
+sentence, the others are its positives (cached EDA variants and extra dropout re-encodings of the
+original). Each *local* view is an anchor. Its candidates are every view of the *global* batch
+(gathered from all ranks with gradient) except the anchor itself, plus the rows of the negative queue.
+The target distribution puts probability 1/(n_views-1) on each of the anchor's other views::
+
+    loss(a) = -1/(n-1) * sum_{p in views(a), p != a} log softmax_c(sim(a, c) / tau)[p]
+
+and the loss is the mean over local anchors. Everything else in the global batch, including the
+other views of other sentences, is a negative.
+
+Differences from LUSE's own code: LUSE keeps the self-similarity sim(a, a) = 1 in the softmax
+denominator, where it is always the largest logit (1/tau = 20 at tau=0.05) and only adds a constant
+pull towards the anchor itself; we drop it from numerator and denominator. LUSE's MoCo queue is an
+empty stub; here the queue (:mod:`pipeline.train.queue`) supplies real extra negatives.
+
+Temperature ``tau`` divides the cosine similarities before the softmax. Small tau (0.05, as in
+SimCSE) sharpens the distribution so that the hardest negatives dominate the gradient; large tau
+spreads it over all negatives. The logits range over [-1/tau, 1/tau].
+
+Distributed semantics: the returned value is the mean over this rank's anchors. With equal local
+batch sizes, the mean of the per-rank losses equals the loss over the global batch, and after DDP
+averages gradients the update equals the single-process update over the concatenated batch
+(``tests/test_distributed_gloo.py`` checks both with two gloo processes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.distributed import all_gather_with_grad, rank
+from pipeline.losses._precision import at_least_float32
+
+INPUT = "views"  # embeddings (n_views, B, H): original, EDA variants, dropout views
+USES_QUEUE = True
+
+
+def compute_loss(
+    embeddings: torch.Tensor,
+    temperature: float = 0.05,
+    queue: torch.Tensor | None = None,
+    gather: bool = True,
+) -> torch.Tensor:
+    """Multi-positive listwise loss over (n_views, B, H) L2-normalised embeddings.
+
+    Args:
+        embeddings: (n_views, B_local, H), view 0 the original sentence, the rest its positives.
+        temperature: tau, the divisor of cosine similarities (see the module docstring).
+        queue: (Q, H) extra negatives, identical on every rank; never receives gradient.
+        gather: gather all ranks' views as candidates (a collective: every rank must call it).
+
+    Returns:
+        A scalar, the mean over the n_views * B_local local anchors.
+    """
+    if embeddings.dim() != 3 or embeddings.shape[0] < 2:
+        raise ValueError(f"embeddings must be (n_views >= 2, B, H), got {tuple(embeddings.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    n_views, batch, dim = embeddings.shape
+    device = embeddings.device
+
+    # Row v * B + b is view v of sentence b. Similarities in at least float32: at tau=0.05 half-precision
+    # logits lose the differences between close negatives.
+    anchors = at_least_float32(embeddings.reshape(n_views * batch, dim))  # (n * B, H)
+    candidates = all_gather_with_grad(anchors) if gather else anchors  # (W * n * B, H), rank-major
+    offset = rank() * n_views * batch if gather else 0  # where this rank's rows start among candidates
+
+    logits = anchors @ candidates.T / temperature  # (n * B, W * n * B)
+    local = torch.arange(n_views * batch, device=device)  # (n * B,)
+    is_self = torch.zeros_like(logits, dtype=torch.bool)  # (n * B, W * n * B)
+    is_self[local, offset + local] = True
+    logits = logits.masked_fill(is_self, float("-inf"))  # (n * B, W * n * B)
+    if queue is not None and queue.shape[0] > 0:
+        queue_logits = anchors @ queue.detach().to(anchors.dtype).T / temperature  # (n * B, Q)
+        logits = torch.cat([logits, queue_logits], dim=1)  # (n * B, W * n * B + Q)
+    log_prob = F.log_softmax(logits, dim=1)  # (n * B, W * n * B + Q)
+
+    # Positives of anchor (v, b): views (v + k) % n of sentence b for k = 1 .. n-1.
+    view = local // batch  # (n * B,)
+    sentence = local % batch  # (n * B,)
+    shift = torch.arange(1, n_views, device=device)  # (n - 1,)
+    positive_view = (view[:, None] + shift[None, :]) % n_views  # (n * B, n - 1)
+    positive = offset + positive_view * batch + sentence[:, None]  # (n * B, n - 1)
+    positive_log_prob = log_prob.gather(1, positive)  # (n * B, n - 1)
+    return -positive_log_prob.mean(dim=1).mean()

@@ -1,0 +1,262 @@
+"""Each objective against a literal (loop-by-loop) implementation of its formula, in one process."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.errors import ConfigError
+from pipeline.losses import (
+    OBJECTIVE_INPUTS,
+    OBJECTIVES,
+    cosent,
+    get_objective,
+    multi_positive,
+    sbert_softmax,
+    simcse,
+    sup_simcse,
+)
+
+TAU = 0.05
+
+
+def unit(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(*shape, generator=g, dtype=torch.float64), dim=-1)
+
+
+def leaf(x):
+    return x.clone().requires_grad_(True)
+
+
+# ------------------------------------------------------------------------------- literal references
+def literal_multi_positive(emb, tau, queue=None, keep_self=False):
+    """Loop over anchors; candidates: every (view, sentence) but the anchor (unless keep_self)."""
+    n, b, _ = emb.shape
+    total = 0.0
+    for v in range(n):
+        for i in range(b):
+            a = emb[v, i]
+            cands, positive_cols = [], []
+            for w in range(n):
+                for j in range(b):
+                    if (w, j) == (v, i) and not keep_self:
+                        continue
+                    if j == i and w != v:
+                        positive_cols.append(len(cands))
+                    cands.append(torch.dot(a, emb[w, j]) / tau)
+            if queue is not None:
+                cands += [torch.dot(a, q) / tau for q in queue]
+            log_z = torch.logsumexp(torch.stack(cands), 0)
+            total = total - sum(cands[c] - log_z for c in positive_cols) / (n - 1)
+    return total / (n * b)
+
+
+def literal_simcse(emb, tau):
+    """Gao et al. 2021, eq. 1, one direction: anchors view 0, candidates view 1."""
+    h, h_plus = emb[0], emb[1]
+    b = h.shape[0]
+    total = 0.0
+    for i in range(b):
+        numer = torch.exp(F.cosine_similarity(h[i], h_plus[i], dim=0) / tau)
+        denom = sum(torch.exp(F.cosine_similarity(h[i], h_plus[j], dim=0) / tau) for j in range(b))
+        total = total - torch.log(numer / denom)
+    return total / b
+
+
+def literal_sup_simcse(h, h_plus, h_minus, tau):
+    """Gao et al. 2021, eq. 5."""
+    b = h.shape[0]
+    total = 0.0
+    for i in range(b):
+        numer = torch.exp(F.cosine_similarity(h[i], h_plus[i], dim=0) / tau)
+        denom = sum(
+            torch.exp(F.cosine_similarity(h[i], h_plus[j], dim=0) / tau)
+            + torch.exp(F.cosine_similarity(h[i], h_minus[j], dim=0) / tau)
+            for j in range(b)
+        )
+        total = total - torch.log(numer / denom)
+    return total / b
+
+
+def literal_cosent(u, v, labels, scale):
+    cos = [F.cosine_similarity(u[i], v[i], dim=0) for i in range(len(labels))]
+    total = torch.ones((), dtype=u.dtype)
+    for i in range(len(labels)):
+        for j in range(len(labels)):
+            if labels[i] > labels[j]:
+                total = total + torch.exp(scale * (cos[j] - cos[i]))
+    return torch.log(total)
+
+
+def assert_same_loss_and_grad(fn_a, fn_b, *tensors):
+    xs_a = [leaf(t) for t in tensors]
+    xs_b = [leaf(t) for t in tensors]
+    loss_a, loss_b = fn_a(*xs_a), fn_b(*xs_b)
+    torch.testing.assert_close(loss_a, loss_b)
+    loss_a.backward()
+    if not loss_b.requires_grad:  # the reference is a constant: our gradient must vanish
+        assert all(torch.count_nonzero(a.grad) == 0 for a in xs_a)
+        return
+    loss_b.backward()
+    for a, b in zip(xs_a, xs_b):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+# -------------------------------------------------------------------------------------- multi-positive
+@pytest.mark.parametrize("n_views", [2, 3, 5])
+def test_multi_positive_matches_literal(n_views):
+    emb = unit(n_views, 4, 8, seed=n_views)
+    assert_same_loss_and_grad(
+        lambda e: multi_positive.compute_loss(e, TAU, gather=False),
+        lambda e: literal_multi_positive(e, TAU),
+        emb,
+    )
+
+
+def test_multi_positive_with_queue_matches_literal_and_queue_gets_no_grad():
+    emb, queue = unit(3, 4, 8, seed=1), unit(6, 8, seed=2)
+    assert_same_loss_and_grad(
+        lambda e: multi_positive.compute_loss(e, 0.1, queue=queue, gather=False),
+        lambda e: literal_multi_positive(e, 0.1, queue=queue),
+        emb,
+    )
+    q = leaf(queue)
+    multi_positive.compute_loss(leaf(emb), queue=q).backward()
+    assert q.grad is None
+    # the queue adds negatives: the loss must grow
+    assert multi_positive.compute_loss(emb, queue=queue) > multi_positive.compute_loss(emb)
+
+
+def test_multi_positive_excludes_self_similarity():
+    emb = unit(3, 4, 8, seed=3)
+    ours = multi_positive.compute_loss(emb, TAU, gather=False)
+    with_self = literal_multi_positive(emb, TAU, keep_self=True)  # LUSE's variant
+    assert not torch.isclose(ours, with_self)
+    torch.testing.assert_close(ours, literal_multi_positive(emb, TAU))
+
+
+def test_multi_positive_lower_bound_reached_by_perfect_embeddings():
+    # views of a sentence identical, sentences orthogonal: p(each positive) -> 1/(n-1)
+    n, b = 4, 3
+    emb = torch.eye(b, 8, dtype=torch.float64).expand(n, b, 8)
+    loss = multi_positive.compute_loss(emb, 0.01, gather=False)
+    assert loss == pytest.approx(math.log(n - 1), abs=1e-6)
+    assert multi_positive.compute_loss(unit(n, b, 8), 0.01) > loss + 1
+
+
+def test_multi_positive_gather_is_identity_in_one_process():
+    emb = unit(3, 5, 8, seed=4)
+    torch.testing.assert_close(
+        multi_positive.compute_loss(emb, gather=True), multi_positive.compute_loss(emb, gather=False)
+    )
+
+
+def test_multi_positive_is_not_simcse_at_two_views():
+    emb = unit(2, 4, 8, seed=5)
+    assert not torch.isclose(multi_positive.compute_loss(emb), simcse.compute_loss(emb))
+
+
+def test_multi_positive_rejects_single_view():
+    with pytest.raises(ValueError, match="n_views >= 2"):
+        multi_positive.compute_loss(unit(1, 4, 8))
+
+
+def test_multi_positive_loss_falls_when_training_a_tiny_encoder():
+    torch.manual_seed(0)
+    sentences = torch.randn(16, 12)
+    views = sentences + 0.3 * torch.randn(3, 16, 12)  # three noisy views per "sentence"
+    encoder = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    optimizer = torch.optim.Adam(encoder.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(30):
+        loss = multi_positive.compute_loss(F.normalize(encoder(views), dim=-1), temperature=0.1)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+
+
+# ------------------------------------------------------------------------------------------- SimCSE
+def test_simcse_matches_paper_formula():
+    # Raw vectors: the encoder L2-normalises before the loss, the paper's sim is the cosine.
+    raw = 3 * unit(2, 6, 8, seed=6)
+    assert_same_loss_and_grad(
+        lambda e: simcse.compute_loss(F.normalize(e, dim=-1), TAU, gather=False),
+        lambda e: literal_simcse(e, TAU),
+        raw,
+    )
+
+
+def test_simcse_is_one_directional():
+    emb = unit(2, 6, 8, seed=7)
+    swapped = emb.flip(0)
+    assert not torch.isclose(simcse.compute_loss(emb), simcse.compute_loss(swapped))
+
+
+def test_sup_simcse_matches_paper_formula():
+    a, p, n = 2 * unit(5, 8, seed=8), 3 * unit(5, 8, seed=9), unit(5, 8, seed=10)
+    assert_same_loss_and_grad(
+        lambda *x: sup_simcse.compute_loss(
+            *(F.normalize(t, dim=-1) for t in x), temperature=TAU, gather=False
+        ),
+        lambda *x: literal_sup_simcse(*x, TAU),
+        a,
+        p,
+        n,
+    )
+
+
+# ------------------------------------------------------------------------------------------- CoSENT
+@pytest.mark.parametrize(
+    "labels", [[0.0, 1.0, 2.0, 5.0, 3.0, 3.0], [0.0, 1.0, 1.0, 0.0, 1.0, 0.0], [2.0] * 6]
+)
+def test_cosent_matches_literal(labels):
+    u, v = torch.randn(6, 8, dtype=torch.float64), torch.randn(6, 8, dtype=torch.float64)  # not normalised
+    y = torch.tensor(labels, dtype=torch.float64)
+    assert_same_loss_and_grad(
+        lambda a, b: cosent.compute_loss(a, b, y, 20.0), lambda a, b: literal_cosent(a, b, y, 20.0), u, v
+    )
+
+
+def test_cosent_all_equal_labels_give_log_one():
+    u = unit(4, 8)
+    assert float(cosent.compute_loss(u, unit(4, 8, seed=1), torch.ones(4))) == pytest.approx(0.0)
+
+
+def test_cosent_prefers_correct_order():
+    u = unit(2, 8, seed=11)
+    v_good = torch.stack([u[0], -u[1]])  # label-1 pair similar, label-0 pair dissimilar
+    labels = torch.tensor([1.0, 0.0])
+    good = cosent.compute_loss(u, v_good, labels)
+    bad = cosent.compute_loss(u, v_good, labels.flip(0))
+    assert good < 1e-6 < 1 < bad
+
+
+# ------------------------------------------------------------------------------------- Sentence-BERT
+def test_sbert_softmax_is_cross_entropy_over_u_v_absdiff():
+    torch.manual_seed(0)
+    head = sbert_softmax.SoftmaxHead(8, num_labels=3)
+    u, v = unit(5, 8).float(), unit(5, 8, seed=1).float()
+    labels = torch.tensor([0.0, 1.0, 2.0, 1.0, 0.0])
+    loss = sbert_softmax.compute_loss(u, v, labels, head)
+    w, bias = head.classifier.weight, head.classifier.bias
+    expected = 0.0
+    for i in range(5):
+        logits = w @ torch.cat([u[i], v[i], (u[i] - v[i]).abs()]) + bias
+        expected -= torch.log_softmax(logits, 0)[int(labels[i])]
+    torch.testing.assert_close(loss, expected / 5)
+    assert set(head.state_dict()) == {"classifier.weight", "classifier.bias"}
+    assert head.classifier.weight.shape == (3, 24)
+
+
+# ----------------------------------------------------------------------------------------- registry
+def test_registry_names_inputs_and_unknown_name():
+    assert set(OBJECTIVES) == {"luse", "simcse", "sup_simcse", "cosent", "sbert"}
+    assert OBJECTIVE_INPUTS["luse"] == "views" and OBJECTIVE_INPUTS["cosent"] == "scored_pairs"
+    assert all(callable(m.compute_loss) for m in OBJECTIVES.values())
+    assert [n for n, m in OBJECTIVES.items() if m.USES_QUEUE] == ["luse"]
+    with pytest.raises(ConfigError, match="one of luse"):
+        get_objective("simcsee")
