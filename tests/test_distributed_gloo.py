@@ -1,0 +1,211 @@
+"""Two real gloo processes against one process: gathered and queued losses, DDP gradients, the queue.
+
+One module-scoped spawn runs every distributed check (process start-up dominates the cost) and saves
+what each rank saw; the tests below compare it with a plain single-process computation over the
+concatenated batch. Per-rank gradients are divided by the world size, which is what DDP's gradient
+averaging does, so they must equal the gradient of the single-process loss.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from pipeline import distributed
+from pipeline.losses import cosent, multi_positive, simcse, sup_simcse
+from pipeline.train.queue import NegativeQueue
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+B = 3  # local batch
+H = 8
+N_VIEWS = 3
+TAU = 0.1
+
+
+def global_inputs() -> dict[str, torch.Tensor]:
+    """The global batch, identical in every process (fixed seed); rank r takes rows [r*B, (r+1)*B)."""
+    g = torch.Generator().manual_seed(1234)
+
+    def unit(*shape):
+        return F.normalize(torch.randn(*shape, generator=g, dtype=torch.float64), dim=-1)
+
+    return {
+        "views": unit(N_VIEWS, WORLD * B, H),
+        "queue": unit(5, H),
+        "anchor": unit(WORLD * B, H),
+        "positive": unit(WORLD * B, H),
+        "negative": unit(WORLD * B, H),
+        "u": torch.randn(WORLD * B, H, generator=g, dtype=torch.float64),
+        "v": torch.randn(WORLD * B, H, generator=g, dtype=torch.float64),
+        "labels": torch.tensor([0.0, 3.0, 1.0, 5.0, 3.0, 2.0], dtype=torch.float64),
+        "features": torch.randn(N_VIEWS, WORLD * B, 6, generator=g),
+    }
+
+
+def queue_keys(step: int, rank: int) -> torch.Tensor:
+    """Distinct keys per (step, rank): row values encode where they came from."""
+    base = 100 * step + 10 * rank
+    return torch.arange(base, base + 2 * H, dtype=torch.float32).reshape(2, H)
+
+
+def tiny_encoder() -> torch.nn.Module:
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, H))
+
+
+# Loss name -> (function of the global inputs with gather on/off, names of the per-sample inputs).
+CASES = {
+    "luse": (lambda x, gather: multi_positive.compute_loss(x["views"], TAU, gather=gather), ["views"]),
+    "luse_queue": (
+        lambda x, gather: multi_positive.compute_loss(x["views"], TAU, queue=x["queue"], gather=gather),
+        ["views"],
+    ),
+    "simcse": (lambda x, gather: simcse.compute_loss(x["views"][:2], TAU, gather=gather), ["views"]),
+    "sup_simcse": (
+        lambda x, gather: sup_simcse.compute_loss(
+            x["anchor"], x["positive"], x["negative"], TAU, gather=gather
+        ),
+        ["anchor", "positive", "negative"],
+    ),
+    "cosent": (lambda x, gather: cosent.compute_loss(x["u"], x["v"], x["labels"], gather=gather), ["u", "v"]),
+}
+
+
+def local_slice(name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of a per-sample input (dim 1 for view stacks, dim 0 otherwise)."""
+    if name in ("views", "features"):
+        return tensor[:, rank * B : (rank + 1) * B]
+    if name == "queue":
+        return tensor  # identical on every rank
+    return tensor[rank * B : (rank + 1) * B]
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        out: dict[str, object] = {
+            "rank": distributed.rank(),
+            "world": distributed.world_size(),
+            "main": distributed.is_main_process(),
+        }
+        everything = global_inputs()
+
+        # gathers and reductions
+        x = torch.full((2, 3), float(rank + 1))
+        out["gather_no_grad"] = distributed.all_gather_no_grad(x)
+        out["reduce_sum"] = distributed.all_reduce_sum(torch.tensor([rank + 1.0]))
+        out["reduce_mean"] = distributed.all_reduce_mean(torch.tensor([rank + 1.0]))
+        out["broadcast"] = distributed.broadcast_object({"run": "abc"} if rank == 0 else None)
+        leaf = torch.full((2,), float(rank + 1), requires_grad=True)
+        gathered = distributed.all_gather_with_grad(leaf)
+        out["gather_with_grad"] = gathered.detach()
+        # loss_r = sum_i (i+1) * (r+1) * gathered_i: d(sum_r loss_r)/d leaf_r = sum_r (r+1) * weight
+        weights = torch.arange(1.0, 1.0 + gathered.numel())
+        ((rank + 1) * (weights * gathered).sum()).backward()
+        out["gather_grad"] = leaf.grad
+        distributed.barrier()
+
+        # every loss: per-rank value and the local-input gradients
+        for case, (fn, sample_inputs) in CASES.items():
+            local = {k: local_slice(k, v, rank).clone() for k, v in everything.items()}
+            for k in sample_inputs:
+                local[k].requires_grad_(True)
+            loss = fn(local, True)
+            loss.backward()
+            out[f"{case}/loss"] = loss.detach()
+            out[f"{case}/grads"] = {k: local[k].grad / WORLD for k in sample_inputs}
+
+        # a real DDP model under the gathered, queued loss
+        model = torch.nn.parallel.DistributedDataParallel(tiny_encoder())
+        features = local_slice("features", everything["features"], rank)
+        embeddings = F.normalize(model(features), dim=-1)  # (n, B, H)
+        loss = multi_positive.compute_loss(embeddings, TAU, queue=everything["queue"].float())
+        loss.backward()
+        out["ddp/loss"] = loss.detach()
+        out["ddp/grads"] = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+
+        # the queue: identical on every rank after gathered enqueues, wrapping around
+        queue = NegativeQueue(size=6, dim=H)
+        for step in range(4):
+            queue.enqueue_gathered(queue_keys(step, rank))
+        out["queue"] = queue.state_dict()
+        torch.save(out, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out_dir = tmp_path_factory.mktemp("gloo")
+    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
+def test_rank_helpers(ranks):
+    assert [(r["rank"], r["world"], r["main"]) for r in ranks] == [(0, 2, True), (1, 2, False)]
+
+
+def test_gathers_and_reductions(ranks):
+    expected = torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)])
+    for r in ranks:
+        torch.testing.assert_close(r["gather_no_grad"], expected)
+        torch.testing.assert_close(r["gather_with_grad"], torch.tensor([1.0, 1.0, 2.0, 2.0]))
+        torch.testing.assert_close(r["reduce_sum"], torch.tensor([3.0]))
+        torch.testing.assert_close(r["reduce_mean"], torch.tensor([1.5]))
+        assert r["broadcast"] == {"run": "abc"}
+    # sum over ranks of (r + 1) * weight = 3 * weight, each rank keeps its own slice of weights
+    torch.testing.assert_close(ranks[0]["gather_grad"], torch.tensor([3.0, 6.0]))
+    torch.testing.assert_close(ranks[1]["gather_grad"], torch.tensor([9.0, 12.0]))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gathered_loss_equals_single_process(ranks, case):
+    fn, sample_inputs = CASES[case]
+    full = {k: v.clone() for k, v in global_inputs().items()}
+    for k in sample_inputs:
+        full[k].requires_grad_(True)
+    loss = fn(full, False)
+    loss.backward()
+    mean_over_ranks = torch.stack([r[f"{case}/loss"] for r in ranks]).mean()
+    torch.testing.assert_close(mean_over_ranks, loss.detach())
+    for k in sample_inputs:
+        per_rank = [r[f"{case}/grads"][k] for r in ranks]
+        dim = 1 if k == "views" else 0
+        torch.testing.assert_close(torch.cat(per_rank, dim=dim), full[k].grad)
+
+
+def test_ddp_gradients_equal_single_process(ranks):
+    model = tiny_encoder()
+    features = global_inputs()["features"]
+    queue = global_inputs()["queue"].float()
+    loss = multi_positive.compute_loss(F.normalize(model(features), dim=-1), TAU, queue=queue, gather=False)
+    loss.backward()
+    torch.testing.assert_close(torch.stack([r["ddp/loss"] for r in ranks]).mean(), loss.detach())
+    for name, param in model.named_parameters():
+        for r in ranks:  # DDP leaves the same averaged gradient on every rank
+            torch.testing.assert_close(r["ddp/grads"][name], param.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_queue_identical_across_ranks_and_equal_to_single_process(ranks):
+    for key in ("keys", "ptr", "filled"):
+        torch.testing.assert_close(ranks[0]["queue"][key], ranks[1]["queue"][key])
+    single = NegativeQueue(size=6, dim=H)
+    for step in range(4):
+        single.enqueue(torch.cat([queue_keys(step, r) for r in range(WORLD)]))
+    for key, value in single.state_dict().items():
+        torch.testing.assert_close(ranks[0]["queue"][key], value)
+    assert int(ranks[0]["queue"]["filled"]) == 6 and int(ranks[0]["queue"]["ptr"]) == (4 * 4) % 6
