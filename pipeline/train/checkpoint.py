@@ -1,0 +1,542 @@
+"""Atomic, verified checkpoints that let a killed run continue exactly where it stopped.
+
+Layout (``docs/fault_tolerance.md`` has the full story)::
+
+    RUN/checkpoints/
+      step-00001000/
+        model/            the unwrapped encoder: SentenceEncoder.save_pretrained (safetensors)
+        state.pt          {name: obj.state_dict()} of the shared states (optimizer, scheduler, queue, ...)
+        rank-0.pt ...     {name: obj.state_dict()} of each rank's own states (RNG streams)
+        deepspeed/        the engine's checkpoint, under DeepSpeed only (ZeRO shards the optimizer)
+        config.yaml       the resolved run config
+        checkpoint.json   written last: step, samples seen, world size, sha256 + size of every file
+      latest              text file naming the newest checkpoint directory
+      best                text file naming the best one (kept regardless of keep_last)
+
+A save writes everything into ``.tmp-step-XXXXXXXX``, fsyncs it, writes ``checkpoint.json`` and only
+then renames the directory to its final name, so a kill at any moment leaves either no new
+checkpoint or a complete one. :meth:`Checkpointer.latest` re-verifies the checksums, so a checkpoint
+damaged later (a truncated copy, a flipped byte) is skipped with a warning and the previous one used.
+
+Everything is loaded safely: weights with safetensors, pickled state with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import yaml
+
+from pipeline import __version__, distributed
+from pipeline.errors import ConfigError, InputError
+from pipeline.shards import atomic_write_bytes, fsync_dir, sha256_file
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "Checkpointer",
+    "CheckpointError",
+    "Stateful",
+    "check_compatible",
+    "config_differences",
+]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = "sentence-encoder-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "checkpoint.json"
+STATE_FILE = "state.pt"
+CONFIG_FILE = "config.yaml"
+MODEL_DIR = "model"
+DEEPSPEED_DIR = "deepspeed"
+DEEPSPEED_TAG = "engine"
+LATEST = "latest"
+BEST = "best"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+class CheckpointError(InputError):
+    """A checkpoint is missing, incomplete, corrupt, or cannot be loaded into this run."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank-{rank}.pt"
+
+
+# ------------------------------------------------------------------------------ config compatibility
+# Keys whose change does not alter the sequence of parameter updates: where and how often we log,
+# evaluate and save, loader parallelism (the data order is a function of the seed, not of workers),
+# and how long to train (extending max_steps/epochs is the usual reason to resume).
+HARMLESS_KEYS: tuple[str, ...] = (
+    "run_dir",
+    "resume",
+    "checkpoint.",
+    "data.num_workers",
+    "data.prefetch_factor",
+    "data.verify_shards",
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_max_pairs",
+    "train.debug_dump",
+    "train.max_steps",
+    "train.epochs",
+    "train.cpu",
+)
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, Mapping):
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): data}
+
+
+def _harmless(key: str) -> bool:
+    return any(key == h or (h.endswith(".") and key.startswith(h)) for h in HARMLESS_KEYS)
+
+
+def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """``(altering, harmless)`` differences between two resolved configs, as ``key: old -> new`` lines."""
+    old, new = _flatten(saved), _flatten(current)
+    altering, harmless = [], []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if a == b:
+            continue
+        line = f"{key}: {a!r} -> {b!r}"
+        (harmless if _harmless(key) else altering).append(line)
+    return altering, harmless
+
+
+def check_compatible(saved_config: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+    """Refuse to resume when the config changed in a way that alters the run.
+
+    Model, data, objective, optimisation, batch and seed changes are refused with every difference
+    listed; logging/evaluation/checkpoint intervals, paths, loader workers and a longer (or shorter)
+    run are allowed and logged.
+    """
+    altering, harmless = config_differences(saved_config, config)
+    if harmless:
+        log.info("resuming with harmless config changes: %s", "; ".join(harmless))
+    if altering:
+        raise ConfigError(
+            f"cannot resume: the config differs from the checkpoint's in {len(altering)} setting(s) that "
+            f"change the run: {'; '.join(altering)}. Revert these settings to resume, or start a new run "
+            "with a different --run_dir (or --resume=never to overwrite from scratch)"
+        )
+
+
+# ------------------------------------------------------------------------------------------- files
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _walk_files(root: Path) -> Iterator[Path]:
+    for dirpath, _, filenames in os.walk(root):
+        for name in sorted(filenames):
+            yield Path(dirpath) / name
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file and directory under ``root`` to disk before the rename makes it visible."""
+    for path in _walk_files(root):
+        _fsync_file(path)
+    for dirpath, _, _ in os.walk(root):
+        fsync_dir(Path(dirpath))
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _state_dicts(states: Mapping[str, Stateful]) -> dict[str, Any]:
+    return {name: obj.state_dict() for name, obj in states.items()}
+
+
+def _read_pointer(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8").strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """The manifest of a complete, intact checkpoint; raises :class:`CheckpointError` naming the problem."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"checkpoint {path} has no {MANIFEST} (an unfinished save)")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not valid JSON ({exc})") from None
+    if manifest.get("format") != CHECKPOINT_FORMAT or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not a {CHECKPOINT_FORMAT} manifest")
+    for rel, entry in manifest["files"].items():
+        file = path / rel
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path}: file {rel} is missing")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(
+                f"checkpoint {path}: {rel} has {size} bytes, the manifest says {entry['bytes']}"
+            )
+        if sha256_file(file) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint {path}: {rel} does not match its sha256 (corrupt)")
+    return manifest
+
+
+# ------------------------------------------------------------------------------------- checkpointer
+class Checkpointer:
+    """Saves and restores the training state under ``run_dir/checkpoints``.
+
+    ``save`` and ``load`` are collectives (every rank calls them); so is ``latest`` when a process
+    group is initialised (rank 0 verifies, the answer is broadcast). The run directory must be on a
+    filesystem that every rank sees (a shared filesystem across nodes).
+
+    ``engine``: under DeepSpeed, the engine (``accelerator.prepare``'s model) whose own checkpoint is
+    saved next to ours, because ZeRO partitions the optimizer state over ranks. Leave the optimizer
+    out of ``states`` then.
+    """
+
+    def __init__(self, run_dir: str | Path, keep_last: int = 3, keep_best: bool = True, engine: Any = None):
+        if keep_last < 1:
+            raise ValueError("keep_last must be >= 1")
+        self.run_dir = Path(run_dir)
+        self.dir = self.run_dir / "checkpoints"
+        self.keep_last = keep_last
+        self.keep_best = keep_best
+        self.engine = engine
+
+    # -------------------------------------------------------------------------------------- listing
+    def checkpoints(self) -> list[Path]:
+        """Checkpoint directories by step, oldest first (complete or not; unfinished temps excluded)."""
+        if not self.dir.is_dir():
+            return []
+        found = [
+            (int(m.group(1)), p) for p in self.dir.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))
+        ]
+        return [p for _, p in sorted(found)]
+
+    def best(self) -> Path | None:
+        name = _read_pointer(self.dir / BEST)
+        return self.dir / name if name and (self.dir / name).is_dir() else None
+
+    def latest(self, verify: bool = True) -> Path | None:
+        """The newest valid checkpoint, or None. Corrupt or unfinished ones are skipped with a warning.
+
+        Collective under a process group: rank 0 reads and verifies (sha256 of every file), the
+        answer is broadcast so that every rank resumes from the same checkpoint.
+        """
+        found = self._find_latest(verify) if distributed.is_main_process() else None
+        found = distributed.broadcast_object(str(found) if found else None)
+        return Path(found) if found else None
+
+    def _find_latest(self, verify: bool) -> Path | None:
+        for path in reversed(self.checkpoints()):
+            try:
+                if verify:
+                    verify_checkpoint(path)
+                elif not (path / MANIFEST).is_file():
+                    raise CheckpointError(f"checkpoint {path} has no {MANIFEST} (an unfinished save)")
+            except CheckpointError as exc:
+                log.warning("skipping checkpoint %s: %s; trying the previous one", path.name, exc)
+                continue
+            return path
+        return None
+
+    # ----------------------------------------------------------------------------------------- save
+    def save(
+        self,
+        step: int,
+        model: Any,
+        states: Mapping[str, Stateful],
+        rank_states: Mapping[str, Stateful],
+        config: Mapping[str, Any],
+        metrics: Mapping[str, Any] | None = None,
+        is_best: bool = False,
+        samples_seen: int | None = None,
+    ) -> Path:
+        """Write checkpoint ``step`` atomically (collective: every rank calls it) and return its path.
+
+        ``model`` is the unwrapped SentenceEncoder (``accelerator.unwrap_model``). ``samples_seen``
+        defaults to ``metrics["samples_seen"]`` when present.
+        """
+        started = time.perf_counter()
+        rank, world = distributed.rank(), distributed.world_size()
+        final = self.dir / step_dir_name(step)
+        tmp = self.dir / f".tmp-{final.name}"
+        if distributed.is_main_process():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.dir.glob(".tmp-step-*"):  # left by a save that was killed
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        distributed.barrier()
+
+        _torch_save(_state_dicts(rank_states), tmp / rank_file_name(rank))
+        deepspeed_info = self._save_engine(tmp) if self.engine is not None else None
+        if distributed.is_main_process():
+            model.save_pretrained(tmp / MODEL_DIR)
+            _torch_save(_state_dicts(states), tmp / STATE_FILE)
+            text = yaml.safe_dump(dict(config), sort_keys=False, allow_unicode=True)
+            atomic_write_bytes(tmp / CONFIG_FILE, text.encode("utf-8"))
+        distributed.barrier()  # every rank's files are in tmp
+
+        if distributed.is_main_process():
+            metrics = dict(metrics or {})
+            if samples_seen is None and "samples_seen" in metrics:
+                samples_seen = int(metrics["samples_seen"])
+            self._finish(
+                tmp,
+                final,
+                step,
+                world,
+                samples_seen,
+                metrics,
+                list(states),
+                list(rank_states),
+                deepspeed_info,
+            )
+            if is_best and self.keep_best:
+                atomic_write_bytes(self.dir / BEST, f"{final.name}\n".encode())
+            self._prune(keep=final)
+            log.info("saved checkpoint %s in %.1f s", final, time.perf_counter() - started)
+        distributed.barrier()  # nobody proceeds (or exits) before the checkpoint is visible
+        return final
+
+    def _save_engine(self, tmp: Path) -> dict[str, Any]:
+        """The DeepSpeed engine's own checkpoint (collective); every rank writes its ZeRO partition."""
+        target = tmp / DEEPSPEED_DIR
+        self.engine.save_checkpoint(str(target), tag=DEEPSPEED_TAG, save_latest=False)
+        for path in _walk_files(target):  # each rank flushes what it wrote (shared filesystems)
+            _fsync_file(path)
+        return {
+            "zero_stage": int(self.engine.zero_optimization_stage()),
+            "dp_world_size": _dp_size(self.engine),
+        }
+
+    def _finish(
+        self,
+        tmp: Path,
+        final: Path,
+        step: int,
+        world: int,
+        samples_seen: int | None,
+        metrics: dict[str, Any],
+        state_names: list[str],
+        rank_state_names: list[str],
+        deepspeed_info: dict[str, Any] | None,
+    ) -> None:
+        _fsync_tree(tmp)
+        files = {
+            path.relative_to(tmp).as_posix(): {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+            for path in _walk_files(tmp)
+        }
+        manifest = {
+            "format": CHECKPOINT_FORMAT,
+            "format_version": FORMAT_VERSION,
+            "tool_version": __version__,
+            "step": step,
+            "samples_seen": samples_seen,
+            "world_size": world,
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "states": state_names,
+            "rank_states": rank_state_names,
+            "deepspeed": deepspeed_info,
+            "metrics": metrics,
+            "files": files,
+        }
+        # The manifest is the commit record: written last, so its presence means every file is there.
+        atomic_write_bytes(tmp / MANIFEST, (json.dumps(manifest, indent=2, default=str) + "\n").encode())
+        fsync_dir(tmp)
+        old = None
+        if final.exists():  # the same step saved again (e.g. preempted right after a periodic save)
+            old = final.with_name(f".old-{final.name}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        fsync_dir(self.dir)
+        atomic_write_bytes(self.dir / LATEST, f"{final.name}\n".encode())
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _prune(self, keep: Path) -> None:
+        """Delete all but the newest ``keep_last`` checkpoints, the best one and the one just written."""
+        all_ckpts = self.checkpoints()
+        protected = set(all_ckpts[-self.keep_last :]) | {keep}
+        best = self.best() if self.keep_best else None
+        if best is not None:
+            protected.add(best)
+        for path in all_ckpts:
+            if path not in protected:
+                shutil.rmtree(path, ignore_errors=True)
+                log.info("removed old checkpoint %s", path.name)
+
+    # ----------------------------------------------------------------------------------------- load
+    @staticmethod
+    def saved_config(path: str | Path) -> dict[str, Any]:
+        """The resolved config stored in checkpoint ``path`` (for :func:`check_compatible`)."""
+        file = Path(path) / CONFIG_FILE
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} has no {CONFIG_FILE}")
+        return yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+
+    def load(
+        self,
+        path: str | Path,
+        model: Any,
+        states: Mapping[str, Stateful],
+        rank_states: Mapping[str, Stateful],
+        verify: bool = True,
+    ) -> dict[str, Any]:
+        """Restore checkpoint ``path`` into ``model`` and the states (collective); returns its manifest.
+
+        The returned dict is the manifest plus ``"exact"``: False when the world size changed, in which
+        case the per-rank states (RNG streams) are not restored — each rank keeps the streams it was
+        seeded with. Everything in ``states`` (including the world-size-free data cursor) is restored.
+        """
+        path = Path(path)
+        if verify:
+            error = None
+            if distributed.is_main_process():
+                try:
+                    verify_checkpoint(path)
+                except CheckpointError as exc:
+                    error = str(exc)
+            error = distributed.broadcast_object(error)
+            if error:
+                raise CheckpointError(error)
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        world = distributed.world_size()
+        saved_world = int(manifest["world_size"])
+        self._check_engine(path, manifest)
+
+        _load_weights(model, path / MODEL_DIR)
+        saved = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        missing = [name for name in states if name not in saved]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {path} has no state for {', '.join(missing)} "
+                f"(it holds {', '.join(saved) or 'none'}); "
+                "it was written by a run with different components: start a new run_dir"
+            )
+        for name, obj in states.items():
+            obj.load_state_dict(saved[name])
+        unused = sorted(set(saved) - set(states))
+        if unused:
+            log.warning("checkpoint %s holds states this run does not use: %s", path.name, ", ".join(unused))
+
+        exact = saved_world == world
+        rank_file = path / rank_file_name(distributed.rank())
+        if exact and rank_states:
+            if not rank_file.is_file():
+                raise CheckpointError(f"checkpoint {path} lacks {rank_file.name} for this rank")
+            saved_rank = torch.load(rank_file, map_location="cpu", weights_only=True)
+            for name, obj in rank_states.items():
+                if name not in saved_rank:
+                    raise CheckpointError(f"checkpoint {path}: {rank_file.name} has no state {name!r}")
+                obj.load_state_dict(saved_rank[name])
+        elif not exact and distributed.is_main_process():
+            log.warning(
+                "checkpoint %s was written by %d processes and is resumed by %d: the data position carries "
+                "over exactly (no sample repeated or skipped), but per-rank random streams (dropout, "
+                "augmentation choices) start afresh, so the run is not bit-identical to an uninterrupted one",
+                path.name,
+                saved_world,
+                world,
+            )
+        if self.engine is not None:
+            self.engine.load_checkpoint(
+                str(path / DEEPSPEED_DIR),
+                tag=DEEPSPEED_TAG,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=True,
+            )
+        distributed.barrier()
+        log.info("resumed from %s (step %s)", path, manifest["step"])
+        return {**manifest, "path": str(path), "exact": exact}
+
+    def _check_engine(self, path: Path, manifest: dict[str, Any]) -> None:
+        info = manifest.get("deepspeed")
+        if self.engine is None:
+            if info:
+                raise CheckpointError(
+                    f"checkpoint {path} was written under DeepSpeed (ZeRO-{info['zero_stage']}): "
+                    "its optimizer state lives in deepspeed/; resume with the same --train.deepspeed_config"
+                )
+            return
+        if not info:
+            raise CheckpointError(
+                f"checkpoint {path} was written without DeepSpeed; resume without --train.deepspeed_config "
+                "or start a new run_dir"
+            )
+        dp = _dp_size(self.engine)
+        if info["zero_stage"] > 0 and info["dp_world_size"] != dp:
+            raise CheckpointError(
+                f"checkpoint {path} holds ZeRO-{info['zero_stage']} optimizer shards for "
+                f"{info['dp_world_size']} data-parallel ranks but this run has {dp}. ZeRO shards cannot be "
+                "re-split by loading; resume with the same number of processes, or convert it with "
+                "`python -m deepspeed.checkpoint.ds_to_universal --input_folder "
+                f"{path / DEEPSPEED_DIR / DEEPSPEED_TAG} "
+                "--output_folder <dir>` and load that with checkpoint.load_universal=true "
+                "(see docs/fault_tolerance.md)"
+            )
+
+
+def _dp_size(engine: Any) -> int:
+    size = getattr(engine, "dp_world_size", None)
+    return int(size) if size is not None else distributed.world_size()
+
+
+def _load_weights(model: Any, model_dir: Path) -> None:
+    """Safetensors weights from ``model_dir`` into ``model.backbone``, every key matching."""
+    from safetensors.torch import load_file
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():  # a large model saved in several shards
+        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        files = [model_dir / n for n in names]
+    else:
+        files = [model_dir / "model.safetensors"]
+    if not all(f.is_file() for f in files):
+        raise CheckpointError(f"checkpoint model folder {model_dir} has no safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    backbone = model.backbone
+    expected = set(backbone.state_dict())
+    missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"weights in {model_dir} do not match the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}; "
+            "the checkpoint is from a different architecture (check model.* in the config)"
+        )
+    backbone.load_state_dict(weights, strict=True)
