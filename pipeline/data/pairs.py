@@ -1,0 +1,202 @@
+"""Readers for the supervised objectives' files: scored or labelled pairs, and NLI triples.
+
+Formats, chosen by the file suffix:
+
+* ``.tsv`` / ``.txt``: tab-separated, UTF-8, no header. Pairs: ``text_a<TAB>text_b<TAB>label``
+  (the bundled ``pipeline/resources/eval/STS-B.train.tsv`` is one); triples:
+  ``anchor<TAB>positive<TAB>negative``.
+* ``.jsonl``: one JSON object per line. Pairs: ``{"sentence1", "sentence2", "label"}``; triples:
+  ``{"anchor", "positive", "negative"}``. Other keys are ignored.
+
+Texts are stripped of surrounding whitespace. Labels are numbers (a graded score for CoSENT, a class
+index for the Sentence-BERT classifier); text labels such as NLI's ``entailment`` are accepted only
+through ``label_map`` (e.g. :data:`NLI_LABELS`).
+
+Bad records. A line with the wrong number of columns, a missing key, an empty text, or a label that
+is not a finite number is an error: with ``strict=True`` (the default) the reader raises InputError
+naming ``file:line`` and what is wrong; with ``strict=False`` it skips the line, and logs one warning
+with the number skipped and the first problem. Nothing is dropped silently. Blank lines are not
+records and are skipped (their count is logged at INFO level).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pipeline.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NLI_LABELS", "Pair", "Triple", "read_pairs", "read_triples"]
+
+# Sentence-transformers' AllNLI class order, for ``label_map`` with the SBERT classifier.
+NLI_LABELS: dict[str, int] = {"contradiction": 0, "entailment": 1, "neutral": 2}
+
+TSV_SUFFIXES = (".tsv", ".txt")
+JSONL_SUFFIXES = (".jsonl",)
+
+
+@dataclass(frozen=True)
+class Pair:
+    text_a: str
+    text_b: str
+    label: float
+
+
+@dataclass(frozen=True)
+class Triple:
+    anchor: str
+    positive: str
+    negative: str
+
+
+class _BadRecord(ValueError):
+    """One line's problem; the reader adds file:line."""
+
+
+T = TypeVar("T")
+
+
+def _text(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise _BadRecord(f"{name} must be a string, got {type(value).__name__}")
+    text = value.strip()
+    if not text:
+        raise _BadRecord(f"{name} is empty")
+    return text
+
+
+def _label(value: Any, label_map: Mapping[str, float] | None) -> float:
+    if isinstance(value, bool):
+        raise _BadRecord(f"label must be a number, got {value!r}")
+    if isinstance(value, str):
+        key = value.strip()
+        if label_map is not None and key in label_map:
+            return float(label_map[key])
+        try:
+            number = float(key)
+        except ValueError:
+            hint = f" (known: {', '.join(label_map)})" if label_map else "; pass label_map for text labels"
+            raise _BadRecord(f"label {value!r} is not a number{hint}") from None
+    elif isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        raise _BadRecord(f"label must be a number, got {type(value).__name__}")
+    if not math.isfinite(number):
+        raise _BadRecord(f"label {value!r} is not a finite number")
+    return number
+
+
+def _tsv_fields(line: str, names: tuple[str, ...]) -> list[str]:
+    fields = line.split("\t")
+    if len(fields) != len(names):
+        raise _BadRecord(
+            f"expected {len(names)} tab-separated columns ({', '.join(names)}), got {len(fields)}"
+        )
+    return fields
+
+
+def _json_fields(line: str, names: tuple[str, ...]) -> list[Any]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise _BadRecord(f"not valid JSON ({exc.msg})") from None
+    if not isinstance(record, dict):
+        raise _BadRecord(f"expected a JSON object, got {type(record).__name__}")
+    missing = [name for name in names if name not in record]
+    if missing:
+        raise _BadRecord(f"missing key(s) {', '.join(missing)}; expected {', '.join(names)}")
+    return [record[name] for name in names]
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    try:
+        # utf-8-sig: a byte-order mark from a spreadsheet export is not part of the first text.
+        with path.open(encoding="utf-8-sig", newline="") as handle:
+            for number, line in enumerate(handle, start=1):
+                yield number, line.rstrip("\r\n")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def _read(
+    path: str | Path,
+    names: dict[str, tuple[str, ...]],
+    build: Callable[[list[Any]], T],
+    strict: bool,
+    kind: str,
+) -> list[T]:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{kind} file {path} does not exist")
+    suffix = path.suffix.lower()
+    if suffix in TSV_SUFFIXES:
+        split, columns = _tsv_fields, names["tsv"]
+    elif suffix in JSONL_SUFFIXES:
+        split, columns = _json_fields, names["jsonl"]
+    else:
+        raise InputError(f"{path}: unknown {kind} format {suffix!r}; use .tsv, .txt or .jsonl")
+
+    records: list[T] = []
+    skipped, blank = 0, 0
+    first_problem = ""
+    for number, line in _lines(path):
+        if not line.strip():
+            blank += 1
+            continue
+        try:
+            records.append(build(split(line, columns)))
+        except _BadRecord as exc:
+            problem = f"{path}:{number}: {exc}"
+            if strict:
+                raise InputError(
+                    f"{problem} (fix the line, or read with strict=False to skip bad lines)"
+                ) from None
+            skipped += 1
+            first_problem = first_problem or problem
+    if blank:
+        logger.info("%s: skipped %d blank line(s)", path, blank)
+    if skipped:
+        logger.warning(
+            "%s: skipped %d bad line(s) of %d; first: %s",
+            path,
+            skipped,
+            skipped + len(records),
+            first_problem,
+        )
+    if not records:
+        raise InputError(
+            f"{path}: no valid {kind} records" + (f"; first problem: {first_problem}" if skipped else "")
+        )
+    return records
+
+
+def read_pairs(
+    path: str | Path, strict: bool = True, label_map: Mapping[str, float] | None = None
+) -> list[Pair]:
+    """Sentence pairs with a numeric label from a ``.tsv``/``.txt`` or ``.jsonl`` file.
+
+    ``label_map`` maps text labels to numbers (e.g. :data:`NLI_LABELS`); numeric labels pass as is.
+    """
+
+    def build(fields: list[Any]) -> Pair:
+        return Pair(_text(fields[0], "text_a"), _text(fields[1], "text_b"), _label(fields[2], label_map))
+
+    names = {"tsv": ("text_a", "text_b", "label"), "jsonl": ("sentence1", "sentence2", "label")}
+    return _read(path, names, build, strict, "pair")
+
+
+def read_triples(path: str | Path, strict: bool = True) -> list[Triple]:
+    """(anchor, positive, hard negative) triples from a ``.tsv``/``.txt`` or ``.jsonl`` file."""
+
+    def build(fields: list[Any]) -> Triple:
+        return Triple(_text(fields[0], "anchor"), _text(fields[1], "positive"), _text(fields[2], "negative"))
+
+    names = {"tsv": ("anchor", "positive", "negative"), "jsonl": ("anchor", "positive", "negative")}
+    return _read(path, names, build, strict, "triple")
