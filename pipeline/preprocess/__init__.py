@@ -1,0 +1,1 @@
+"""Raw corpus -> deduplicated, globally shuffled sentence shards (``python -m pipeline preprocess``)."""

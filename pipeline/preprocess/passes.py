@@ -1,0 +1,344 @@
+"""The three parallel passes of preprocessing and the files they leave in the work directory.
+
+pass 1, ``split``   one input unit -> cleaned, split, filtered sentences, routed by shuffle key into
+                    partitions: ``split/unit-NNNNNN.arrow`` (record batches, one or more per partition)
+                    + ``split/unit-NNNNNN.json`` (counts, which batches hold which partition).
+pass 2, ``dedup``   one partition, read from every unit -> sorted by (shuffle key, text), exact
+                    duplicates removed: ``dedup/part-NNNNNN.arrow`` + ``.json`` (rows in, rows kept).
+pass 3, ``shards``  one output shard = one range of the global order (partitions concatenated in
+                    key order) -> ``OUT/shard-NNNNNN.tar`` + ``shards/shard-NNNNNN.json`` (its entry).
+
+Every output is written to a temporary name and renamed; the ``.json`` goes last, so its presence
+means the piece is complete and a rerun skips it.
+
+The shuffle key of a sentence is a seeded bijective mix of its 64-bit id (blake2b of the text), so
+the key order is a pseudo-random permutation of all unique sentences, fixed by (text, seed) alone.
+Partition p holds the p-th of P equal key ranges; sorting inside each partition and concatenating
+the partitions yields the whole corpus in key order, whatever P, the unit sizes or the worker count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zipfile
+import zlib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.errors import InputError
+from pipeline.preprocess.readers import SOURCES, Unit, iter_lines, line_number_base
+from pipeline.preprocess.text import cjk_count, clean_paragraphs, has_control, split_sentences
+from pipeline.shards import BASE_SCHEMA, atomic_write_json, fsync_dir, shard_name, write_shard
+
+Progress = Callable[[int], None]
+
+RECORD_REASONS = ("empty", "invalid_utf8", "bad_json", "missing_field", "too_long_record", "unreadable")
+SENTENCE_REASONS = ("too_short", "too_long", "low_cjk", "duplicate")
+EXAMPLES_PER_UNIT = 3  # bad records named (file:line) per unit in the log
+
+FLUSH_SENTENCES = 1 << 15  # kept sentences hashed and routed per batch (keeps Python lists short)
+BUFFER_BYTES = 32 << 20  # text held per unit before its partitions are written out
+DEDUP_BATCH_ROWS = 1 << 16  # rows per record batch in a partition file (random access by pass 3)
+
+_SPLIT_SCHEMA = pa.schema([pa.field("id", pa.uint64(), nullable=False), pa.field("text", pa.string())])
+_IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd")
+
+
+@dataclass(frozen=True)
+class Filters:
+    """What pass 1 needs from the config (small and picklable)."""
+
+    fields: dict[str, list[str]]
+    min_chars: int
+    max_chars: int
+    min_cjk_ratio: float
+    max_record_bytes: int
+    num_partitions: int
+    seed: int
+    strict: bool
+
+
+# --------------------------------------------------------------------------------------------- layout
+def split_paths(work: Path, unit: int) -> tuple[Path, Path]:
+    return work / "split" / f"unit-{unit:06d}.arrow", work / "split" / f"unit-{unit:06d}.json"
+
+
+def dedup_paths(work: Path, part: int) -> tuple[Path, Path]:
+    return work / "dedup" / f"part-{part:06d}.arrow", work / "dedup" / f"part-{part:06d}.json"
+
+
+def shard_entry_path(work: Path, shard: int) -> Path:
+    return work / "shards" / f"shard-{shard:06d}.json"
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def _commit(tmp: Path, path: Path) -> None:
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+# --------------------------------------------------------------------------------------------- keys
+_MASK = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def shuffle_keys(ids: np.ndarray, seed: int) -> np.ndarray:
+    """A seeded bijection of the uint64 ids (the splitmix64 finalizer): the global shuffle order."""
+    z = ids.astype(np.uint64) ^ np.uint64(_splitmix64(seed))
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)  # wraps mod 2^64, as intended
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def partition_of(keys: np.ndarray, num_partitions: int) -> np.ndarray:
+    """Partition p holds keys in [p, p+1) * 2^64 / P: order-preserving, so partitions concatenate."""
+    return ((keys >> np.uint64(32)) * np.uint64(num_partitions)) >> np.uint64(32)
+
+
+def text_ids(texts: list[str]) -> np.ndarray:
+    """``pipeline.shards.sentence_id`` for many texts at once."""
+    digests = b"".join(hashlib.blake2b(t.encode("utf-8"), digest_size=8).digest() for t in texts)
+    return np.frombuffer(digests, dtype="<u8").astype(np.uint64)
+
+
+# --------------------------------------------------------------------------------------------- pass 1
+class _PartitionWriter:
+    """Buffers kept sentences of one unit and writes them grouped by partition."""
+
+    def __init__(self, path: Path, filters: Filters):
+        self.path, self.tmp, self.filters = path, _tmp(path), filters
+        self.sink = pa.OSFile(str(self.tmp), "wb")
+        self.writer = pa.ipc.new_file(self.sink, _SPLIT_SCHEMA, options=_IPC_OPTIONS)
+        self.pending: list[pa.Table] = []
+        self.pending_bytes = 0
+        self.batches: dict[int, list[int]] = {}
+        self.num_batches = 0
+
+    def add(self, texts: list[str]) -> None:
+        ids = text_ids(texts)
+        parts = partition_of(shuffle_keys(ids, self.filters.seed), self.filters.num_partitions)
+        self.pending.append(pa.table({"id": ids, "text": pa.array(texts, pa.string()), "part": parts}))
+        self.pending_bytes += sum(map(len, texts)) * 3
+        if self.pending_bytes >= BUFFER_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        table = pa.concat_tables(self.pending)
+        table = table.take(pc.sort_indices(table, sort_keys=[("part", "ascending")]))
+        parts = table["part"].to_numpy()
+        starts = np.flatnonzero(np.r_[True, parts[1:] != parts[:-1]])
+        ends = np.r_[starts[1:], len(parts)]
+        data = table.select(["id", "text"]).cast(_SPLIT_SCHEMA)
+        for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
+            for batch in data.slice(start, end - start).combine_chunks().to_batches():
+                self.writer.write_batch(batch)
+                self.batches.setdefault(int(parts[start]), []).append(self.num_batches)
+                self.num_batches += 1
+        self.pending, self.pending_bytes = [], 0
+
+    def close(self) -> dict[str, list[int]]:
+        self.flush()
+        self.writer.close()
+        self.sink.close()
+        _commit(self.tmp, self.path)
+        return {str(p): b for p, b in sorted(self.batches.items())}
+
+
+class _BadRecords:
+    """Counts bad records by reason; names the first few (``file:line``); ``strict`` makes one fatal."""
+
+    def __init__(self, unit: Unit, counts: Counter, strict: bool):
+        self.unit, self.counts, self.strict = unit, counts, strict
+        self.examples: list[str] = []
+        self._base: int | None = None
+
+    def __call__(self, number: int, reason: str, detail: str) -> None:
+        self.counts[reason] += 1
+        if self.strict or len(self.examples) < EXAMPLES_PER_UNIT:
+            if self._base is None:
+                self._base = line_number_base(self.unit)
+            message = f"{self.unit.label}:{self._base + number}: {reason}: {detail}"
+            if self.strict:
+                raise InputError(
+                    f"{message} (--strict; fix the input, or drop --strict to count and skip it)"
+                )
+            self.examples.append(message)
+
+
+def split_unit(work: Path, index: int, unit: Unit, filters: Filters, progress: Progress) -> dict[str, Any]:
+    """Pass 1 for one unit: read, clean, split, filter, route into partitions. Returns its counts."""
+    arrow_path, json_path = split_paths(work, index)
+    counts: Counter = Counter()
+    bad = _BadRecords(unit, counts, filters.strict)
+    writer = _PartitionWriter(arrow_path, filters)
+    fields = None if unit.format == "plain" else filters.fields[unit.format]
+    field_list = ", ".join(fields or [])
+    min_chars, max_chars, ratio = filters.min_chars, filters.max_chars, filters.min_cjk_ratio
+    kept: list[str] = []
+    number = 0
+    try:
+        for number, line, _ in iter_lines(unit, filters.max_record_bytes):
+            counts["records"] += 1
+            if line is None:
+                bad(number, "too_long_record", f"longer than max_record_bytes={filters.max_record_bytes}")
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad(number, "invalid_utf8", f"{exc.reason} at byte {exc.start}")
+                continue
+            if not text.strip():
+                counts["empty"] += 1  # blank lines are normal between paragraphs: counted, not reported
+                continue
+            if fields is None:
+                values = [text]
+            else:
+                try:
+                    obj = json.loads(text)
+                except ValueError as exc:
+                    bad(number, "bad_json", str(exc))
+                    continue
+                if not isinstance(obj, dict):
+                    bad(number, "bad_json", f"a JSON {type(obj).__name__}, not an object")
+                    continue
+                values = [v for f in fields if isinstance(v := obj.get(f), str)]
+                if not values:
+                    bad(number, "missing_field", f"none of the text fields ({field_list}) is a string")
+                    continue
+            if any(map(has_control, values)):
+                counts["control_chars"] += 1  # removed by normalisation; the record is kept
+            split = 0
+            for paragraph in clean_paragraphs(values):
+                for sentence in split_sentences(paragraph):
+                    split += 1
+                    length = len(sentence)
+                    if length < min_chars:
+                        counts["too_short"] += 1
+                    elif length > max_chars:
+                        counts["too_long"] += 1
+                    elif cjk_count(sentence) < ratio * length:
+                        counts["low_cjk"] += 1
+                    else:
+                        kept.append(sentence)
+            if split == 0:
+                counts["empty"] += 1
+                continue
+            counts["records_with_text"] += 1
+            counts["sentences_split"] += split
+            if len(kept) >= FLUSH_SENTENCES:
+                writer.add(kept)
+                progress(len(kept))
+                kept = []
+    except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
+        # A truncated or corrupt compressed stream: keep every record read before the damage.
+        bad(number + 1, "unreadable", f"stream cannot be read further ({exc}); later records are lost")
+    if kept:
+        writer.add(kept)
+        progress(len(kept))
+    batches = writer.close()
+    result = {
+        "unit": unit.to_dict(),
+        "source": SOURCES.index("plain" if fields is None else unit.format),
+        "counts": dict(sorted(counts.items())),
+        "batches": batches,
+        "examples": bad.examples,
+    }
+    atomic_write_json(json_path, result)
+    return result
+
+
+# --------------------------------------------------------------------------------------------- pass 2
+def dedup_partition(
+    work: Path, part: int, pieces: list[tuple[str, list[int], int]], seed: int, progress: Progress
+) -> dict[str, Any]:
+    """Pass 2 for one partition: gather its rows from every unit, sort by key, drop exact duplicates."""
+    arrow_path, json_path = dedup_paths(work, part)
+    tables = []
+    for path, batch_indices, source in pieces:
+        with pa.OSFile(path) as source_file:
+            reader = pa.ipc.open_file(source_file)
+            batches = [reader.get_batch(i) for i in batch_indices]
+        table = pa.Table.from_batches(batches, schema=_SPLIT_SCHEMA)
+        tables.append(table.append_column("src", pa.array(np.full(table.num_rows, source, np.uint8))))
+    schema = _SPLIT_SCHEMA.append(pa.field("src", pa.uint8()))
+    table = pa.concat_tables(tables) if tables else schema.empty_table()
+    rows_in = table.num_rows
+    keys = shuffle_keys(table["id"].to_numpy(), seed)
+    table = table.append_column("key", pa.array(keys, pa.uint64()))
+    # (key, text, source): a total order on distinct rows, so the result does not depend on which
+    # unit a row came from; equal texts have equal keys and end up adjacent, the first source wins.
+    order = pc.sort_indices(
+        table, sort_keys=[("key", "ascending"), ("text", "ascending"), ("src", "ascending")]
+    )
+    table = table.take(order).combine_chunks()
+    text = table["text"].chunk(0) if table.num_rows else pa.array([], pa.string())
+    keep = np.ones(rows_in, dtype=bool)
+    if rows_in > 1:
+        keep[1:] = pc.not_equal(text.slice(1), text.slice(0, rows_in - 1)).to_numpy(zero_copy_only=False)
+    table = table.filter(pa.array(keep))
+    source_names = pc.take(pa.array(SOURCES, pa.string()), table["src"])
+    out = pa.Table.from_arrays([table["id"], table["text"], source_names], schema=BASE_SCHEMA)
+    tmp = _tmp(arrow_path)
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, BASE_SCHEMA, options=_IPC_OPTIONS) as w:
+        w.write_table(out, max_chunksize=DEDUP_BATCH_ROWS)
+    _commit(tmp, arrow_path)
+    result = {"partition": part, "rows_in": rows_in, "unique": out.num_rows, "batch_rows": DEDUP_BATCH_ROWS}
+    atomic_write_json(json_path, result)
+    progress(rows_in)
+    return result
+
+
+# --------------------------------------------------------------------------------------------- pass 3
+def write_output_shard(
+    out: Path,
+    work: Path,
+    shard: int,
+    pieces: list[tuple[str, int, int]],
+    rows_per_block: int,
+    progress: Progress,
+) -> dict[str, Any]:
+    """Pass 3 for one shard: rows ``[lo, hi)`` of each listed partition file, in order, cut into blocks."""
+    tables = []
+    for path, lo, hi in pieces:
+        with pa.OSFile(path) as source_file:
+            reader = pa.ipc.open_file(source_file)
+            first, last = lo // DEDUP_BATCH_ROWS, (hi - 1) // DEDUP_BATCH_ROWS
+            batches = [reader.get_batch(i) for i in range(first, last + 1)]
+            table = pa.Table.from_batches(batches, schema=BASE_SCHEMA)
+            tables.append(table.slice(lo - first * DEDUP_BATCH_ROWS, hi - lo).combine_chunks())
+    rows = pa.concat_tables(tables)
+    # One record batch per block whatever the partition boundaries: identical bytes for any P.
+    blocks = (
+        rows.slice(start, rows_per_block).combine_chunks()
+        for start in range(0, rows.num_rows, rows_per_block)
+    )
+    entry = write_shard(out / shard_name(shard), blocks, shard)
+    atomic_write_json(shard_entry_path(work, shard), entry)
+    progress(entry["sentences"])
+    return entry

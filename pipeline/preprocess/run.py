@@ -1,0 +1,454 @@
+"""``python -m pipeline preprocess``: raw corpus files -> deduplicated, globally shuffled shards.
+
+Phases (``--phase all`` runs them in order; see docs/preprocess.md for SLURM arrays):
+
+  split     pass 1 over input units   (parallel: --workers processes, --task-index/--num-tasks)
+  dedup     pass 2 over partitions    (same)
+  shards    pass 3 over output shards (same)
+  finalize  manifest.json, then the work directory is removed (one process)
+
+Each piece of each phase is written atomically and skipped when a rerun finds it, so a killed run
+resumes where it stopped and produces the same bytes as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing as mp
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from tqdm import tqdm
+
+from pipeline.config import option, to_dict
+from pipeline.errors import ConfigError, InputError
+from pipeline.preprocess import passes
+from pipeline.preprocess.readers import COLLECTIONS, Unit, expand_inputs, plan_units
+from pipeline.resources import SAMPLE_CORPUS
+from pipeline.shards import MANIFEST, atomic_write_json, new_manifest
+
+log = logging.getLogger(__name__)
+
+Phase = Literal["all", "split", "dedup", "shards", "finalize"]
+InputFormat = Literal[
+    "auto", "plain", "wiki_zh", "news2016zh", "baike2018qa", "webtext2019zh", "translation2019zh"
+]
+
+# Options that say how to run, not what to produce: left out of the manifest (so it is identical for
+# any --workers/--num-tasks) and free to change when a stopped run is resumed.
+EXECUTION_KEYS = ("out", "work_dir", "workers", "task_index", "num_tasks", "phase", "overwrite", "strict")
+WORK_DIR_NAME = ".work"
+PARTITION_TARGET_BYTES = 64 << 20  # auto num_partitions: about this much input text per partition
+
+
+@dataclass
+class TextFields:
+    """Which fields of each nlp_chinese_corpus collection become text (each field split on its own)."""
+
+    wiki_zh: list[str] = option(["text"], "wiki_zh fields ({id,url,title,text}); text starts with the title")
+    news2016zh: list[str] = option(
+        ["title", "content"], "news2016zh fields ({news_id,keywords,desc,title,...})"
+    )
+    baike2018qa: list[str] = option(["title", "desc", "answer"], "baike2018qa fields ({qid,category,...})")
+    webtext2019zh: list[str] = option(["title", "desc", "content"], "webtext2019zh fields ({qid,title,...})")
+    translation2019zh: list[str] = option(["chinese"], "translation2019zh fields ({english,chinese})")
+
+    def __post_init__(self) -> None:
+        for name in COLLECTIONS:
+            if not getattr(self, name):
+                raise ConfigError(f"text_fields.{name} is empty: list at least one field, e.g. [text]")
+
+
+@dataclass
+class Config:
+    inputs: list[Path] = option(
+        factory=lambda: [SAMPLE_CORPUS],
+        help="Input files, directories or globs (plain text or JSON lines; .gz/.bz2/.zip read as is).",
+    )
+    out: Path = option(Path("data/preprocessed"), "Output directory for shard-*.tar and manifest.json.")
+    work_dir: Path | None = option(None, "Intermediate files (default OUT/.work); removed when finished.")
+    workers: int = option(1, "Local worker processes for each phase.")
+    task_index: int = option(0, "This task's index in a SLURM array (SLURM_ARRAY_TASK_ID).")
+    num_tasks: int = option(1, "Tasks in the SLURM array sharing each phase (SLURM_ARRAY_TASK_COUNT).")
+    phase: Phase = option("all", "all | split | dedup | shards | finalize (arrays run one phase each).")
+    input_format: InputFormat = option("auto", "Input format; auto detects it per file from its first lines.")
+    text_fields: TextFields = option(factory=TextFields, help="Fields that become text, per collection.")
+    min_chars: int = option(5, "Drop sentences shorter than this many characters.")
+    max_chars: int = option(256, "Drop sentences longer than this many characters.")
+    min_cjk_ratio: float = option(0.5, "Drop sentences with a smaller share of CJK ideographs (0-1).")
+    max_record_bytes: int = option(4 << 20, "Longer input lines are dropped and counted (too_long_record).")
+    chunk_bytes: int = option(4 << 20, "Uncompressed files are split into units of this many bytes.")
+    num_partitions: int = option(0, "Hash partitions for dedup (0 = about one per 64 MB of input text).")
+    sentences_per_shard: int = option(4000, "Sentences per output shard (the last one may hold fewer).")
+    rows_per_block: int = option(1000, "Sentences per block (tar member) inside a shard.")
+    seed: int = option(0, "Seed of the global shuffle.")
+    strict: bool = option(False, "Stop at the first bad record with its file:line instead of counting it.")
+    overwrite: bool = option(False, "Delete a previous output in --out first.")
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            raise ConfigError("no inputs: pass input files or globs, e.g. `preprocess data/*.json.gz`")
+        for name in ("workers", "num_tasks", "sentences_per_shard", "rows_per_block", "min_chars"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.task_index < self.num_tasks:
+            raise ConfigError(f"task_index must be in [0, num_tasks={self.num_tasks}), got {self.task_index}")
+        if self.num_tasks > 1 and self.phase == "all":
+            raise ConfigError(
+                "with --num_tasks > 1 choose one --phase (split, dedup, shards, finalize) per array"
+            )
+        if self.overwrite and (self.phase != "all" or self.num_tasks > 1):
+            raise ConfigError(
+                "--overwrite only works with --phase all in one task; empty --out before an array"
+            )
+        if self.max_chars < self.min_chars:
+            raise ConfigError(f"max_chars ({self.max_chars}) must be >= min_chars ({self.min_chars})")
+        if not 0.0 <= self.min_cjk_ratio <= 1.0:
+            raise ConfigError(f"min_cjk_ratio must be in [0, 1], got {self.min_cjk_ratio}")
+        if self.max_record_bytes < 1024:
+            raise ConfigError(f"max_record_bytes must be >= 1024, got {self.max_record_bytes}")
+        if self.chunk_bytes < 1 << 16:
+            raise ConfigError(f"chunk_bytes must be >= 65536, got {self.chunk_bytes}")
+        if not 0 <= self.num_partitions <= 1 << 20:
+            raise ConfigError(f"num_partitions must be in [0, 1048576] (0 = auto), got {self.num_partitions}")
+
+    @property
+    def work(self) -> Path:
+        return self.work_dir if self.work_dir is not None else self.out / WORK_DIR_NAME
+
+
+def output_config(cfg: Config) -> dict[str, Any]:
+    """The resolved config as recorded in the manifest and the work plan (execution keys left out)."""
+    data = to_dict(cfg)
+    return {k: v for k, v in data.items() if k not in EXECUTION_KEYS}
+
+
+# --------------------------------------------------------------------------------------------- run
+def run(cfg: Config) -> int:
+    started = time.perf_counter()
+    files = expand_inputs(cfg.inputs)
+    if _already_finished(cfg):
+        return 0
+    plan = _load_or_make_plan(cfg, files)
+    phases = ["split", "dedup", "shards", "finalize"] if cfg.phase == "all" else [cfg.phase]
+    with _Executor(cfg.workers) as executor:
+        for phase in phases:
+            if phase == "split":
+                _split_phase(cfg, plan, executor)
+            elif phase == "dedup":
+                _dedup_phase(cfg, plan, executor)
+            elif phase == "shards":
+                _shards_phase(cfg, plan, executor)
+            elif cfg.task_index == 0:
+                _finalize(cfg, plan, time.perf_counter() - started)
+            else:
+                log.info("finalize: task %d has nothing to do (task 0 writes the manifest)", cfg.task_index)
+    return 0
+
+
+def _is_ours(path: Path, cfg: Config) -> bool:
+    name = path.name
+    return (
+        (name == WORK_DIR_NAME and cfg.work_dir is None)
+        or (name.startswith("shard-") and name.endswith(".tar"))
+        or (name.startswith(".shard-") or name.startswith(f".{MANIFEST}.tmp-"))
+        or name == MANIFEST
+    )
+
+
+def _already_finished(cfg: Config) -> bool:
+    """Refuse to clobber a foreign or different output; True if this exact run already finished."""
+    out = cfg.out
+    if not out.exists():
+        return False
+    if not out.is_dir():
+        raise InputError(f"--out {out} is a file; choose a directory")
+    if cfg.overwrite:
+        for entry in out.iterdir():
+            if _is_ours(entry, cfg):
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        if cfg.work_dir is not None and cfg.work_dir.exists():
+            shutil.rmtree(cfg.work_dir)
+        return False
+    foreign = sorted(e.name for e in out.iterdir() if not _is_ours(e, cfg))
+    if foreign:
+        raise InputError(
+            f"--out {out} is not empty (holds {', '.join(foreign[:3])}); "
+            "choose an empty directory or pass --overwrite"
+        )
+    manifest = out / MANIFEST
+    if manifest.exists():
+        recorded = passes.read_json(manifest).get("config")
+        if recorded != output_config(cfg):
+            raise InputError(
+                f"--out {out} holds a finished run with a different config; "
+                "choose another --out or pass --overwrite"
+            )
+        log.info("%s is already complete (manifest.json matches this config); nothing to do", out)
+        if cfg.work.exists() and cfg.task_index == 0:
+            shutil.rmtree(cfg.work, ignore_errors=True)
+        return True
+    return False
+
+
+# --------------------------------------------------------------------------------------------- plan
+@dataclass
+class Plan:
+    units: list[Unit]
+    num_partitions: int
+
+
+def _file_stamp(files: list[Path]) -> list[dict[str, Any]]:
+    return [{"path": str(p), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} for p in files]
+
+
+def _load_or_make_plan(cfg: Config, files: list[Path]) -> Plan:
+    """The work units and partition count, fixed when a run starts and checked when it resumes."""
+    path = cfg.work / "plan.json"
+    stamp = _file_stamp(files)
+    if path.exists():
+        saved = passes.read_json(path)
+        if saved["config"] != output_config(cfg):
+            raise InputError(
+                f"{cfg.work} holds an unfinished run with a different config; rerun with the same options "
+                "or pass --overwrite to start over"
+            )
+        if saved["files"] != stamp:
+            raise InputError(
+                f"the input files changed since the run in {cfg.work} started; pass --overwrite to start over"
+            )
+        units = [Unit.from_dict(u) for u in saved["units"]]
+        log.info(
+            "resuming the run in %s (%d units, %d partitions)", cfg.work, len(units), saved["num_partitions"]
+        )
+        return Plan(units, saved["num_partitions"])
+    units, text_bytes = plan_units(files, cfg.input_format, cfg.chunk_bytes, cfg.max_record_bytes)
+    num_partitions = cfg.num_partitions or max(4, math.ceil(text_bytes / PARTITION_TARGET_BYTES))
+    for sub in ("split", "dedup", "shards"):
+        (cfg.work / sub).mkdir(parents=True, exist_ok=True)
+    formats = Counter(u.format for u in units)
+    log.info(
+        "%d input files -> %d units (%s), %d partitions",
+        len(files),
+        len(units),
+        ", ".join(f"{n} {f}" for f, n in sorted(formats.items())),
+        num_partitions,
+    )
+    # Array tasks may write this at the same time: the content is identical, the write atomic.
+    plan = {"config": output_config(cfg), "files": stamp, "units": [u.to_dict() for u in units]}
+    atomic_write_json(path, {**plan, "num_partitions": num_partitions})
+    return Plan(units, num_partitions)
+
+
+def _mine(cfg: Config, count: int) -> list[int]:
+    """This task's share of ``count`` pieces: every num_tasks-th, starting at task_index."""
+    return list(range(cfg.task_index, count, cfg.num_tasks))
+
+
+# --------------------------------------------------------------------------------------------- phases
+def _split_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
+    filters = passes.Filters(
+        fields=asdict(cfg.text_fields),
+        min_chars=cfg.min_chars,
+        max_chars=cfg.max_chars,
+        min_cjk_ratio=cfg.min_cjk_ratio,
+        max_record_bytes=cfg.max_record_bytes,
+        num_partitions=plan.num_partitions,
+        seed=cfg.seed,
+        strict=cfg.strict,
+    )
+    mine = _mine(cfg, len(plan.units))
+    todo = [u for u in mine if not passes.split_paths(cfg.work, u)[1].exists()]
+    _log_skipped("split", "units", len(mine), len(todo))
+    jobs = [(passes.split_unit, (cfg.work, u, plan.units[u], filters)) for u in todo]
+    with tqdm(desc="split", unit="sent", unit_scale=True, dynamic_ncols=True, mininterval=1.0) as bar:
+        for result in executor.run(jobs, bar.update):
+            for example in result["examples"]:
+                log.warning("bad record %s", example)
+
+
+def _dedup_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
+    metas = _require(cfg, "split", [passes.split_paths(cfg.work, u)[1] for u in range(len(plan.units))])
+    pieces: dict[int, list[tuple[str, list[int], int]]] = {}
+    for u, meta in enumerate(metas):
+        arrow = str(passes.split_paths(cfg.work, u)[0])
+        for part, batch_indices in meta["batches"].items():
+            pieces.setdefault(int(part), []).append((arrow, batch_indices, meta["source"]))
+    mine = _mine(cfg, plan.num_partitions)
+    todo = [p for p in mine if not passes.dedup_paths(cfg.work, p)[1].exists()]
+    _log_skipped("dedup", "partitions", len(mine), len(todo))
+    jobs = [(passes.dedup_partition, (cfg.work, p, pieces.get(p, []), cfg.seed)) for p in todo]
+    with tqdm(desc="dedup", unit="sent", unit_scale=True, dynamic_ncols=True, mininterval=1.0) as bar:
+        for _ in executor.run(jobs, bar.update):
+            pass
+
+
+def _shard_ranges(cfg: Config, plan: Plan) -> list[list[tuple[str, int, int]]]:
+    """For each output shard, the (partition file, first row, end row) pieces it is cut from."""
+    paths = [passes.dedup_paths(cfg.work, p) for p in range(plan.num_partitions)]
+    metas = _require(cfg, "dedup", [j for _, j in paths])
+    total = sum(m["unique"] for m in metas)
+    size = cfg.sentences_per_shard
+    ranges: list[list[tuple[str, int, int]]] = [[] for _ in range(math.ceil(total / size))]
+    offset = 0
+    for (arrow, _), meta in zip(paths, metas, strict=True):
+        lo, end = offset, offset + meta["unique"]
+        while lo < end:  # split this partition's global range [offset, end) at shard boundaries
+            shard = lo // size
+            hi = min(end, (shard + 1) * size)
+            ranges[shard].append((str(arrow), lo - offset, hi - offset))
+            lo = hi
+        offset = end
+    return ranges
+
+
+def _shards_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
+    ranges = _shard_ranges(cfg, plan)
+    mine = _mine(cfg, len(ranges))
+    todo = [s for s in mine if not passes.shard_entry_path(cfg.work, s).exists()]
+    _log_skipped("shards", "shards", len(mine), len(todo))
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    args = (cfg.out, cfg.work)
+    jobs = [(passes.write_output_shard, (*args, s, ranges[s], cfg.rows_per_block)) for s in todo]
+    with tqdm(desc="shards", unit="sent", unit_scale=True, dynamic_ncols=True, mininterval=1.0) as bar:
+        for _ in executor.run(jobs, bar.update):
+            pass
+
+
+def _finalize(cfg: Config, plan: Plan, elapsed: float) -> None:
+    units = _require(cfg, "split", [passes.split_paths(cfg.work, u)[1] for u in range(len(plan.units))])
+    parts = _require(cfg, "dedup", [passes.dedup_paths(cfg.work, p)[1] for p in range(plan.num_partitions)])
+    num_shards = len(_shard_ranges(cfg, plan))
+    entries = _require(cfg, "shards", [passes.shard_entry_path(cfg.work, s) for s in range(num_shards)])
+    for entry in entries:
+        path = cfg.out / entry["name"]
+        if not path.is_file() or path.stat().st_size != entry["bytes"]:
+            raise InputError(
+                f"{path} is missing or changed; delete {passes.shard_entry_path(cfg.work, 0).parent}"
+                f"/{Path(entry['name']).stem}.json and rerun --phase shards"
+            )
+    counts = summed_counts([u["counts"] for u in units], parts)
+    manifest = new_manifest("preprocess", output_config(cfg), entries, counts=counts)
+    atomic_write_json(cfg.out / MANIFEST, manifest)
+    # The manifest is down: the intermediate files and any temporary file of a killed writer can go.
+    shutil.rmtree(cfg.work, ignore_errors=True)
+    for stale in cfg.out.glob(".shard-*.tar.tmp-*"):
+        stale.unlink(missing_ok=True)
+    dropped = ", ".join(f"{k} {v:,}" for k, v in counts["dropped"].items() if v) or "none"
+    log.info(
+        "preprocess done: kept %s of %s sentences from %s records; dropped: %s; %d shards, %.1f MB; "
+        "%.1fs -> %s",
+        f"{counts['kept']:,}",
+        f"{counts['sentences_split']:,}",
+        f"{counts['records']:,}",
+        dropped,
+        len(entries),
+        manifest["totals"]["bytes"] / 1e6,
+        elapsed,
+        cfg.out,
+    )
+
+
+def summed_counts(unit_counts: list[dict[str, int]], parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Manifest counts: records, sentences_split, kept, dropped by reason (see shards/README.md)."""
+    total: Counter = Counter()
+    for counts in unit_counts:
+        total.update(counts)
+    rows_in = sum(p["rows_in"] for p in parts)
+    kept = sum(p["unique"] for p in parts)
+    total["duplicate"] = rows_in - kept
+    dropped = {r: total[r] for r in (*passes.RECORD_REASONS, *passes.SENTENCE_REASONS)}
+    return {
+        "records": total["records"],
+        "records_with_text": total["records_with_text"],
+        "control_chars": total["control_chars"],
+        "sentences_split": total["sentences_split"],
+        "kept": kept,
+        "dropped": dropped,
+    }
+
+
+def _require(cfg: Config, phase: str, paths: list[Path]) -> list[dict[str, Any]]:
+    missing = [p for p in paths if not p.exists()]
+    if missing:
+        raise InputError(
+            f"phase {phase} is not finished in {cfg.work} ({len(missing)} of {len(paths)} pieces missing, "
+            f"e.g. {missing[0].name}); run --phase {phase} (every task) first"
+        )
+    return [passes.read_json(p) for p in paths]
+
+
+def _log_skipped(phase: str, what: str, mine: int, todo: int) -> None:
+    if todo < mine:
+        log.info("%s: %d of %d %s already done (skipped), %d to do", phase, mine - todo, mine, what, todo)
+    else:
+        log.info("%s: %d %s to do", phase, todo, what)
+
+
+# --------------------------------------------------------------------------------------------- workers
+_COUNTER: Any = None  # set in each worker process by _init_worker: the shared progress counter
+
+
+def _init_worker(counter: Any) -> None:
+    global _COUNTER
+    _COUNTER = counter
+
+
+def _count(n: int) -> None:
+    with _COUNTER.get_lock():
+        _COUNTER.value += n
+
+
+def _call(fn: Callable[..., Any], args: tuple) -> Any:
+    return fn(*args, progress=_count)
+
+
+class _Executor:
+    """Runs pieces in this process (``workers=1``) or in a pool of spawned processes.
+
+    Results come back in completion order; a failing piece stops the phase with its error. Workers
+    report progress through one shared counter that the parent polls into the progress bar.
+    """
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.pool: Any = None
+
+    def __enter__(self) -> _Executor:
+        if self.workers > 1:
+            # spawn, not fork: forking a process that holds pyarrow/tqdm threads can deadlock.
+            ctx = mp.get_context("spawn")
+            self.counter = ctx.Value("q", 0)
+            self.pool = ctx.Pool(self.workers, initializer=_init_worker, initargs=(self.counter,))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.pool is not None:
+            self.pool.terminate() if exc[0] else self.pool.close()
+            self.pool.join()
+
+    def run(
+        self, jobs: list[tuple[Callable[..., Any], tuple]], progress: Callable[[int], Any]
+    ) -> Iterator[Any]:
+        if self.pool is None:
+            for fn, args in jobs:
+                yield fn(*args, progress=progress)
+            return
+        pending = [self.pool.apply_async(_call, job) for job in jobs]
+        seen = self.counter.value
+        while pending:
+            done = [r for r in pending if r.ready()]
+            pending = [r for r in pending if r not in done]
+            value = self.counter.value
+            progress(value - seen)
+            seen = value
+            for result in done:
+                yield result.get()
+            if not done:
+                time.sleep(0.1)
