@@ -221,8 +221,17 @@ class MemorySource:
 class _RankBatches(IterableDataset):
     """This rank's slices of global batches ``start, start+1, ...`` of one epoch, collated in workers."""
 
-    def __init__(self, source: Any, collate: Callable[[dict[str, list[Any]]], Any], order: EpochOrder,
-                 global_batch: int, rank: int, world: int, start: int, stop: int):  # fmt: skip
+    def __init__(
+        self,
+        source: Any,
+        collate: Callable[[dict[str, list[Any]]], Any],
+        order: EpochOrder,
+        global_batch: int,
+        rank: int,
+        world: int,
+        start: int,
+        stop: int,
+    ):
         super().__init__()
         self.source, self.collate, self.order = source, collate, order
         self.global_batch, self.rank, self.world = global_batch, rank, world
@@ -239,7 +248,7 @@ class _RankBatches(IterableDataset):
 
 
 class BatchStream:
-    """Iterates this rank's batches epoch after epoch and owns the cursor (``state_dict``/``load_state_dict``).
+    """This rank's batches, epoch after epoch; owns the cursor (``state_dict``/``load_state_dict``).
 
     ``collate(rows) -> dict`` turns the rows of one rank-slice (a mapping column -> list) into tensors;
     it runs in the loader workers, so it must be picklable. The cursor advances when the consumer
@@ -275,8 +284,12 @@ class BatchStream:
 
     def state_dict(self) -> dict[str, int]:
         # num_items and global_batch make a cursor from a different dataset or batch size detectable
-        return {**self.cursor.state_dict(), "global_batch_size": self.global_batch, "num_items": self.num_items,
-                "seed": self.seed}  # fmt: skip
+        return {
+            **self.cursor.state_dict(),
+            "global_batch_size": self.global_batch,
+            "num_items": self.num_items,
+            "seed": self.seed,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         for key, mine in (("global_batch_size", self.global_batch), ("num_items", self.num_items)):
@@ -291,8 +304,16 @@ class BatchStream:
         """The rest of the current epoch from the cursor; moves the cursor to the next epoch at the end."""
         epoch, start = self.cursor.epoch, self.cursor.batches
         if start < self.batches_per_epoch:
-            dataset = _RankBatches(self.source, self.collate, EpochOrder(self.block_rows, self.seed, epoch),
-                                   self.global_batch, self.rank, self.world, start, self.batches_per_epoch)  # fmt: skip
+            dataset = _RankBatches(
+                self.source,
+                self.collate,
+                EpochOrder(self.block_rows, self.seed, epoch),
+                self.global_batch,
+                self.rank,
+                self.world,
+                start,
+                self.batches_per_epoch,
+            )
             extra = {"prefetch_factor": self.prefetch_factor} if self.num_workers else {}
             loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, **extra)
             for batch in loader:
@@ -329,8 +350,14 @@ class ViewCollator:
         for j in range(self.k):
             views.append([v[j] if j < len(v) else t for t, v in zip(texts, rows["variants"])])
         flat = [t for view in views for t in view]
-        enc = self.tokenizer(flat, padding=True, truncation=True, max_length=self.max_length,
-                             return_tensors="pt", return_token_type_ids=False)  # fmt: skip
+        enc = self.tokenizer(
+            flat,
+            padding=True,
+            truncation=True,
+            max_length=self.max_length,
+            return_tensors="pt",
+            return_token_type_ids=False,
+        )
         b = len(texts)
         ids, mask = enc["input_ids"], enc["attention_mask"]
         if self.d:  # dropout views: the original's tokens again; dropout makes them differ
@@ -353,8 +380,14 @@ class PairCollator:
 
     def __call__(self, rows: dict[str, list[Any]]) -> dict[str, Any]:
         flat = [t for col in self.text_columns for t in rows[col]]
-        enc = self.tokenizer(flat, padding=True, truncation=True, max_length=self.max_length,
-                             return_tensors="pt", return_token_type_ids=False)  # fmt: skip
+        enc = self.tokenizer(
+            flat,
+            padding=True,
+            truncation=True,
+            max_length=self.max_length,
+            return_tensors="pt",
+            return_token_type_ids=False,
+        )
         out = {
             "ids": torch.tensor(rows["index"], dtype=torch.int64),
             "input_ids": enc["input_ids"],  # (n * B, L), column-major like the views

@@ -1,0 +1,393 @@
+"""Build everything a training run needs, in small ``build_*`` steps, into one :class:`Trainer`.
+
+Order matters: the process group first (Accelerate), then config checks that need the world size and
+the data, then tokenizer and model (identical on every rank), optimizer, queue and momentum encoder,
+the data stream; then a resume loads the saved states into the *unwrapped* objects; only then are
+model and optimizer handed to Accelerate (DDP / DeepSpeed wrap them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from pipeline import distributed as dist
+from pipeline.config import to_dict
+from pipeline.data.stream import (
+    BatchStream,
+    MemorySource,
+    PairCollator,
+    ShardSource,
+    ViewCollator,
+    cached_variants,
+    index_shards,
+)
+from pipeline.errors import ConfigError
+from pipeline.losses import get_objective
+from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer, unk_rate
+from pipeline.model.vocab import read_model_config, write_vocab
+from pipeline.resources import EVAL_DIR
+from pipeline.shards import read_shard, shard_paths
+from pipeline.train.config import UNSUPERVISED, Config, check_against_environment, resolve_path
+from pipeline.train.metrics import MetricsLogger, read_sts
+from pipeline.train.schedule import LRSchedule
+
+log = logging.getLogger(__name__)
+TOKENIZER_DIR = "tokenizer"
+
+
+@dataclass
+class TrainState:
+    """Counters that must survive a restart (the data position lives in the stream's cursor)."""
+
+    step: int = 0
+    samples_seen: int = 0
+    best_metric: float | None = None
+    best_step: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+class TrainModule(nn.Module):
+    """What DDP/DeepSpeed wrap: the encoder plus, for the sbert objective, its classifier head."""
+
+    def __init__(self, encoder: SentenceEncoder, head: nn.Module | None = None):
+        super().__init__()
+        self.encoder = encoder
+        self.head = head
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.encoder(input_ids=input_ids, attention_mask=attention_mask)  # (N, H)
+
+
+@dataclass
+class Trainer:
+    cfg: Config
+    accelerator: Any
+    module: TrainModule  # unwrapped
+    model: nn.Module  # what Accelerate returned (DDP / DeepSpeed engine / the module itself)
+    optimizer: Any
+    schedule: LRSchedule
+    stream: BatchStream
+    objective: ModuleType
+    state: TrainState
+    metrics: MetricsLogger
+    total_steps: int
+    queue: nn.Module | None = None
+    momentum_encoder: nn.Module | None = None
+    checkpointer: Any = None
+    preemption: Any = None
+    sts_valid: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def encoder(self) -> SentenceEncoder:
+        return self.module.encoder
+
+    def states(self) -> dict[str, Any]:
+        """Everything identical on all ranks that a restart needs, for the checkpointer."""
+        out: dict[str, Any] = {"train_state": self.state, "data": self.stream, "schedule": self.schedule}
+        if not self.cfg.train.deepspeed_config:
+            out["optimizer"] = self.optimizer
+        if self.accelerator.scaler is not None:
+            out["grad_scaler"] = self.accelerator.scaler
+        if self.module.head is not None:
+            out["head"] = self.module.head
+        if self.queue is not None:
+            out["queue"] = self.queue
+        if self.momentum_encoder is not None:
+            out["momentum_encoder"] = self.momentum_encoder
+        return out
+
+    def rank_states(self) -> dict[str, Any]:
+        """Per-rank states: the RNG streams (dropout masks differ per rank).
+
+        Under DeepSpeed the ZeRO-partitioned optimizer is saved by the engine's own checkpoint (the
+        checkpointer's ``engine``), not here.
+        """
+        from pipeline.train.rng import RNGState
+
+        return {"rng": RNGState()}
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.preemption is not None and hasattr(self.preemption, "uninstall"):
+            self.preemption.uninstall()
+
+
+# ------------------------------------------------------------------------------------------ pieces
+def build_accelerator(cfg: Config) -> Any:
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.utils import InitProcessGroupKwargs
+
+    cpu = cfg.train.cpu or not torch.cuda.is_available()
+    kwargs: dict[str, Any] = {}
+    if cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # gloo: without it Accelerate's DeepSpeed path on CPU reports one process
+        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+    if cfg.train.deepspeed_config:
+        path = resolve_path(cfg.train.deepspeed_config)
+        if not path.is_file():
+            raise ConfigError(f"train.deepspeed_config: {path} does not exist (see launch/deepspeed/)")
+        ds = json.loads(path.read_text(encoding="utf-8"))
+        ds["gradient_accumulation_steps"] = cfg.train.grad_accum_steps
+        ds["gradient_clipping"] = cfg.optim.grad_clip
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        ds["train_micro_batch_size_per_gpu"] = (
+            cfg.train.global_batch_size // world // cfg.train.grad_accum_steps
+        )
+        ds["train_batch_size"] = cfg.train.global_batch_size
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
+    return Accelerator(
+        cpu=cpu,
+        mixed_precision=cfg.train.mixed_precision,
+        gradient_accumulation_steps=cfg.train.grad_accum_steps,
+        **kwargs,
+    )
+
+
+def training_texts(cfg: Config, limit: int) -> list[str]:
+    """Sentences of the training data (never the evaluation sets), for the character vocabulary."""
+    if cfg.objective.name in UNSUPERVISED:
+        texts: list[str] = []
+        for path in shard_paths(cfg.data.shards):
+            for table in read_shard(path):
+                texts.extend(table.column("text").to_pylist())
+                if len(texts) >= limit:
+                    return texts[:limit]
+        return texts
+    return [t for r in read_records(cfg) for t in r[:-1] if isinstance(t, str)][:limit]
+
+
+def build_tokenizer(cfg: Config) -> Any:
+    """The scratch model's char tokenizer: built on rank 0 from training text, reused on resume."""
+    folder = cfg.run_dir / TOKENIZER_DIR
+    if dist.is_main_process() and not (folder / "vocab.txt").is_file():
+        m = cfg.model
+        vocab = build_char_vocab(
+            training_texts(cfg, m.vocab_max_sentences), m.vocab_min_count, m.vocab_max_size
+        )
+        folder.mkdir(parents=True, exist_ok=True)
+        write_vocab(vocab, folder / "vocab.txt")
+        make_tokenizer(folder / "vocab.txt").save_pretrained(folder)
+        log.info("built a %d-token character vocabulary from the training data in %s", len(vocab), folder)
+    dist.barrier()
+    return make_tokenizer(folder / "vocab.txt")
+
+
+def build_encoder(cfg: Config) -> SentenceEncoder:
+    m = cfg.model
+    dropout = (
+        {}
+        if m.dropout is None
+        else {"hidden_dropout_prob": m.dropout, "attention_probs_dropout_prob": m.dropout}
+    )
+    if m.name_or_path:
+        return SentenceEncoder.from_pretrained(
+            m.name_or_path, pooling=m.pooling, max_length=cfg.data.max_length, **dropout
+        )
+    path = resolve_path(m.scratch_config)
+    if not path.is_file():
+        raise ConfigError(f"model.scratch_config: {path} does not exist; point it to a BertConfig JSON")
+    tokenizer = build_tokenizer(cfg)
+    backbone = build_scratch_backbone({**read_model_config(path), **dropout}, len(tokenizer), cfg.train.seed)
+    return SentenceEncoder(backbone, tokenizer, pooling=m.pooling, max_length=cfg.data.max_length)
+
+
+def report_unk_rate(encoder: SentenceEncoder, metrics: MetricsLogger, lines: int = 2000) -> dict[str, float]:
+    """[UNK] share of tokens on each evaluation set (first ``lines`` pairs), logged and recorded."""
+    rates = {}
+    for path in sorted(EVAL_DIR.glob("*.tsv")):
+        texts = []
+        for line in path.read_text(encoding="utf-8").splitlines()[:lines]:
+            texts.extend(f for f in line.split("\t") if f and not f.lstrip("-").isdigit())
+        rates[path.stem] = round(unk_rate(encoder.tokenizer, texts), 5)
+    log.info("[UNK] rate on the evaluation sets: %s", rates)
+    metrics.log({"event": "unk_rate", **rates})
+    return rates
+
+
+def build_optimizer(cfg: Config, module: nn.Module) -> torch.optim.Optimizer:
+    """AdamW; biases and LayerNorm weights get no weight decay (they are not scale-like)."""
+    decay, no_decay = [], []
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.optim.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+
+
+def read_records(cfg: Config) -> list[tuple]:
+    """Supervised records as tuples (texts..., label) — label None for triples."""
+    from pipeline.data.pairs import read_pairs, read_triples
+
+    path = resolve_path(cfg.data.supervised_file)
+    if cfg.objective.name == "sup_simcse":
+        return [(t.anchor, t.positive, t.negative, None) for t in read_triples(path)]
+    return [(p.text_a, p.text_b, p.label) for p in read_pairs(path)]
+
+
+def build_stream(cfg: Config, tokenizer: Any, rank: int, world: int) -> BatchStream:
+    d, t = cfg.data, cfg.train
+    if cfg.objective.name in UNSUPERVISED:
+        blocks = dist.broadcast_object(index_shards(d.shards, d.verify_shards) if rank == 0 else None)
+        k, views = (d.num_variants, d.num_dropout_views) if cfg.objective.name == "luse" else (0, 1)
+        collate = ViewCollator(tokenizer, d.max_length, k, views)
+        source: Any = ShardSource(blocks, collate.columns)
+    else:
+        records = read_records(cfg)
+        n_text = 3 if cfg.objective.name == "sup_simcse" else 2
+        columns = {f"text{i}": [r[i] for r in records] for i in range(n_text)}
+        columns["index"] = list(range(len(records)))
+        label_dtype = None
+        if cfg.objective.name != "sup_simcse":
+            columns["label"] = [r[-1] for r in records]
+            label_dtype = torch.long if cfg.objective.name == "sbert" else torch.float32
+        collate = PairCollator(tokenizer, d.max_length, [f"text{i}" for i in range(n_text)], label_dtype)
+        source = MemorySource(columns)
+    return BatchStream(
+        source, collate, t.global_batch_size, rank, world, t.seed, d.num_workers, d.prefetch_factor
+    )
+
+
+def build_queue(cfg: Config, encoder: SentenceEncoder) -> tuple[nn.Module | None, nn.Module | None]:
+    from pipeline.train.queue import MomentumEncoder, NegativeQueue, needs_forward
+
+    o = cfg.objective
+    if o.name != "luse" or not o.queue_size:
+        return None, None
+    queue = NegativeQueue(o.queue_size, encoder.dim)
+    return queue, (MomentumEncoder(encoder) if needs_forward(o.momentum) else None)
+
+
+def build_checkpointing(cfg: Config, trainer: Trainer) -> None:
+    """The seam to checkpointing and preemption (pipeline/train/checkpoint.py, signals.py).
+
+    Resume loads into the unwrapped objects, so call this before ``prepare``.
+    """
+    try:
+        from pipeline.train.checkpoint import Checkpointer
+    except ImportError:
+        log.warning("pipeline.train.checkpoint is not available: no checkpoints, no resume")
+        return
+    trainer.checkpointer = Checkpointer(cfg.run_dir, keep_last=cfg.checkpoint.keep_last)
+    try:
+        from pipeline.train.signals import PreemptionHandler
+
+        trainer.preemption = PreemptionHandler()
+        if hasattr(trainer.preemption, "install"):
+            trainer.preemption.install()
+    except ImportError:
+        log.warning(
+            "pipeline.train.signals is not available: SIGTERM/SIGUSR1 end the run without a checkpoint"
+        )
+    if cfg.resume == "never":
+        return
+    path = trainer.checkpointer.latest() if cfg.resume == "auto" else Path(cfg.resume)
+    if path is None:
+        return
+    saved = path / "config.yaml"
+    if saved.is_file():
+        trainer.checkpointer.check_compatible(yaml.safe_load(saved.read_text(encoding="utf-8")), to_dict(cfg))
+    meta = trainer.checkpointer.load(path, trainer.encoder, trainer.states(), trainer.rank_states())
+    log.info("resumed from %s at step %d", path, trainer.state.step)
+    trainer.extra["resumed_from"] = str(path)
+    trainer.extra["resume_meta"] = meta
+
+
+def write_run_config(cfg: Config) -> None:
+    if dist.is_main_process():
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        text = yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
+        (cfg.run_dir / "config.yaml").write_text(text, encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------------ build
+def build(cfg: Config) -> Trainer:
+    """Every piece of a run, checked and (if there is a checkpoint) resumed, ready for :func:`train`."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # loader workers tokenise; no nested pools
+    accelerator = build_accelerator(cfg)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    cached = None
+    if cfg.objective.name == "luse":
+        if not Path(cfg.data.shards).is_dir():
+            raise ConfigError(
+                f"data.shards: {cfg.data.shards} is not a directory; run preprocess/augment first"
+            )
+        cached = cached_variants(cfg.data.shards)
+    check_against_environment(cfg, world, cached)
+    if cfg.train.gradcache_chunk_size and cfg.train.deepspeed_config:
+        raise ConfigError(
+            "train.gradcache_chunk_size is not supported with DeepSpeed; use DDP or set it to 0"
+        )
+    write_run_config(cfg)
+    dist.barrier()
+
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    encoder = build_encoder(cfg)
+    head = None
+    if cfg.objective.name == "sbert":
+        head = get_objective("sbert").SoftmaxHead(encoder.dim, cfg.objective.num_labels)
+    module = TrainModule(encoder, head).to(accelerator.device)
+    torch.manual_seed(cfg.train.seed + 1000 * rank)  # dropout differs per rank, and reproducibly
+    metrics = MetricsLogger(cfg.run_dir, enabled=accelerator.is_main_process)
+    if accelerator.is_main_process:
+        report_unk_rate(encoder, metrics)
+    stream = build_stream(cfg, encoder.tokenizer, rank, world)
+    total = cfg.train.max_steps or cfg.train.epochs * stream.batches_per_epoch
+    optimizer = build_optimizer(cfg, module)
+    o = cfg.optim
+    schedule = LRSchedule(optimizer, o.lr, o.warmup_steps, total, o.schedule, o.min_lr_ratio)
+    queue, momentum = build_queue(cfg, encoder)
+    for m in (queue, momentum):
+        if m is not None:
+            m.to(accelerator.device)
+    trainer = Trainer(
+        cfg,
+        accelerator,
+        module,
+        module,
+        optimizer,
+        schedule,
+        stream,
+        get_objective(cfg.objective.name),
+        TrainState(),
+        metrics,
+        total,
+        queue,
+        momentum,
+    )
+    log.info(
+        "data: %d samples, %d global batches of %d per epoch, %d dropped per epoch; %d steps in all",
+        stream.num_items,
+        stream.batches_per_epoch,
+        cfg.train.global_batch_size,
+        stream.dropped_per_epoch,
+        total,
+    )
+    build_checkpointing(cfg, trainer)
+    trainer.model, trainer.optimizer = accelerator.prepare(module, optimizer)
+    trainer.schedule.optimizer = trainer.optimizer
+    if trainer.checkpointer is not None and cfg.train.deepspeed_config:
+        trainer.checkpointer.engine = trainer.model  # ZeRO state: the engine's own checkpoint
+    if accelerator.is_main_process:
+        trainer.sts_valid = read_sts(EVAL_DIR / "STS-B.valid.tsv", cfg.train.eval_max_pairs)
+    trainer.extra["start_time"] = time.time()
+    return trainer
