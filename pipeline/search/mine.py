@@ -1,0 +1,241 @@
+"""``python -m pipeline mine INDEX_DIR --input PAIRS --out triples.jsonl``: hard negatives from retrieval.
+
+For each (anchor, positive) pair the anchor is searched in the index; negatives are drawn (seeded,
+without replacement) from ranks ``[rank_start, rank_end]`` (1-based, inclusive) of its results,
+skipping the positive, the anchor, near-duplicates of either (equal after :func:`normalize_text`)
+and candidates whose cosine to the positive exceeds ``max_similarity`` (likely unlabeled
+positives). This is FlagEmbedding's ``hn_mine`` recipe. Starting the range below rank 1 avoids
+the false negatives that crowd the very top.
+
+Output: one triple per negative, as JSON Lines ``{"anchor", "positive", "negative"}`` (``.jsonl``)
+or ``anchor<TAB>positive<TAB>negative`` (``.tsv``): the supervised SimCSE reader's formats.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import unicodedata
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.config import option
+from pipeline.errors import ConfigError, InputError
+from pipeline.search.api import SearchIndex
+from pipeline.shards import fsync_dir
+
+log = logging.getLogger(__name__)
+
+OUTPUT_SUFFIXES = (".jsonl", ".tsv")
+
+
+@dataclass
+class Config:
+    index_dir: Path | None = option(None, "Index directory to mine from (positional).")
+    input: Path | None = option(
+        None, "Pairs: TSV `anchor<TAB>positive[<TAB>label]` or JSONL (see docs/search.md)."
+    )
+    out: list[Path] = option(
+        factory=list, help="Output file(s): .jsonl and/or .tsv; repeat the flag for both."
+    )
+    rank_start: int = option(10, "First rank (1-based) negatives may come from.")
+    rank_end: int = option(100, "Last rank (inclusive); the index is searched this deep.")
+    num_negatives: int = option(1, "Negatives (= output triples) per pair.")
+    max_similarity: float = option(0.95, "Skip candidates with cosine to the positive above this.")
+    min_label: float | None = option(None, "TSV with a label column: keep pairs with label >= this.")
+    seed: int = option(0, "Seed of the sampling within the rank range.")
+    model: str | None = option(None, "Encode with this model instead of the index's.")
+    batch_size: int = option(128, "Sentences per forward pass.")
+    search_batch: int = option(1024, "Pairs searched per faiss call.")
+    device: str = option("auto", "Torch device for encoding.")
+    nprobe: int | None = option(None, "IVF: lists visited per query (default: stored value).")
+    ef_search: int | None = option(None, "HNSW: candidate list size (default: stored value).")
+    overwrite: bool = option(False, "Replace existing output files.")
+
+    def __post_init__(self) -> None:
+        if self.index_dir is None or self.input is None or not self.out:
+            raise ConfigError("usage: python -m pipeline mine INDEX_DIR --input PAIRS --out triples.jsonl")
+        if not 1 <= self.rank_start <= self.rank_end:
+            raise ConfigError(
+                f"need 1 <= --rank-start <= --rank-end, got {self.rank_start} and {self.rank_end}"
+            )
+        if self.num_negatives < 1 or self.batch_size < 1 or self.search_batch < 1:
+            raise ConfigError("--num-negatives, --batch-size and --search-batch must be >= 1")
+        if not -1.0 <= self.max_similarity <= 1.0:
+            raise ConfigError(f"--max-similarity is a cosine in [-1, 1], got {self.max_similarity}")
+        for path in self.out:
+            if path.suffix not in OUTPUT_SUFFIXES:
+                raise ConfigError(f"--out {path}: name it *.jsonl or *.tsv to choose the format")
+
+
+def normalize_text(text: str) -> str:
+    """NFKC, case-folded, without whitespace or punctuation: '你好！ ' and '你好!' are the same text."""
+    text = unicodedata.normalize("NFKC", text).casefold()
+    return "".join(c for c in text if not unicodedata.category(c).startswith(("P", "Z", "C")))
+
+
+# ---------------------------------------------------------------------------------------- input
+def read_pairs(path: Path, min_label: float | None, counts: Counter) -> list[tuple[str, str]]:
+    """(anchor, positive) pairs from TSV or JSONL; malformed lines are errors naming the line."""
+    if not path.is_file():
+        raise InputError(f"pairs file {path} does not exist")
+    jsonl = path.suffix in (".jsonl", ".json")
+    pairs: list[tuple[str, str]] = []
+    with open(path, encoding="utf-8", errors="strict") as f:
+        try:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    counts["blank"] += 1
+                    continue
+                for pair in (_jsonl_pairs if jsonl else _tsv_pairs)(
+                    line, f"{path}:{number}", min_label, counts
+                ):
+                    pairs.append(pair)
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{path}: not valid UTF-8 ({exc.reason}); re-encode the file") from None
+    counts["pairs"] = len(pairs)
+    if not pairs:
+        raise InputError(f"{path} holds no usable pairs ({dict(counts)})")
+    return pairs
+
+
+def _tsv_pairs(line: str, where: str, min_label: float | None, counts: Counter) -> list[tuple[str, str]]:
+    fields = line.rstrip("\r\n").split("\t")
+    if len(fields) < 2 or not fields[0].strip() or not fields[1].strip():
+        raise InputError(f"{where}: expected `anchor<TAB>positive`, got {line.strip()[:60]!r}")
+    if min_label is not None:
+        try:
+            label = float(fields[2])
+        except (IndexError, ValueError):
+            raise InputError(f"{where}: --min-label needs a numeric third column") from None
+        if label < min_label:
+            counts["below_min_label"] += 1
+            return []
+    return [(fields[0].strip(), fields[1].strip())]
+
+
+def _jsonl_pairs(line: str, where: str, min_label: float | None, counts: Counter) -> list[tuple[str, str]]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{where}: not valid JSON ({exc.msg})") from None
+    anchor = record.get("anchor", record.get("query")) if isinstance(record, dict) else None
+    positives = record.get("positive", record.get("pos")) if isinstance(record, dict) else None
+    if isinstance(positives, str):
+        positives = [positives]
+    if not isinstance(anchor, str) or not anchor.strip() or not positives:
+        raise InputError(
+            f'{where}: expected {{"anchor": str, "positive": str}} (or "query" and "pos": [str])'
+        )
+    if any(not isinstance(p, str) or not p.strip() for p in positives):
+        raise InputError(f"{where}: positives must be non-empty strings")
+    return [(anchor.strip(), p.strip()) for p in positives]
+
+
+# ---------------------------------------------------------------------------------------- mining
+def mine_negatives(
+    index: SearchIndex,
+    pairs: list[tuple[str, str]],
+    rank_start: int,
+    rank_end: int,
+    num_negatives: int,
+    max_similarity: float,
+    seed: int,
+    counts: Counter,
+    batch_size: int = 128,
+    search_batch: int = 1024,
+) -> list[tuple[str, str, str]]:
+    """Triples (anchor, positive, negative), ``num_negatives`` per pair where enough candidates remain."""
+    from tqdm.auto import tqdm
+
+    triples: list[tuple[str, str, str]] = []
+    for start in tqdm(range(0, len(pairs), search_batch), desc="mine", unit="batch"):
+        batch = pairs[start : start + search_batch]
+        anchors = index.embed([a for a, _ in batch], batch_size)  # (B, d)
+        positives = index.embed([p for _, p in batch], batch_size)  # (B, d)
+        _, rows = index.search_vectors(anchors, rank_end)  # (B, rank_end)
+        for offset, ((anchor, positive), ranked) in enumerate(zip(batch, rows)):
+            window = [int(r) for r in ranked[rank_start - 1 : rank_end] if r >= 0]
+            keep = _filter(index, anchor, positive, positives[offset], window, max_similarity, counts)
+            # Seeded per pair, so a pair's negatives do not depend on the batch size or on other pairs.
+            rng = np.random.default_rng([seed, start + offset])
+            chosen = rng.choice(len(keep), size=min(num_negatives, len(keep)), replace=False) if keep else []
+            if len(chosen) < num_negatives:
+                counts["short" if len(chosen) else "no_negative"] += 1
+            triples += [(anchor, positive, index.texts[keep[c]]) for c in sorted(chosen)]
+    counts["triples"] = len(triples)
+    return triples
+
+
+def _filter(
+    index: SearchIndex,
+    anchor: str,
+    positive: str,
+    positive_vector: np.ndarray,
+    rows: list[int],
+    max_similarity: float,
+    counts: Counter,
+) -> list[int]:
+    positive_key, anchor_key = normalize_text(positive), normalize_text(anchor)
+    kept = []
+    for row in rows:
+        key = normalize_text(index.texts[row])
+        if key == positive_key:
+            counts["skipped_positive"] += 1
+        elif key == anchor_key:
+            counts["skipped_anchor"] += 1
+        else:
+            kept.append(row)
+    if kept and max_similarity < 1.0:
+        cosine = index.vectors(np.array(kept)) @ positive_vector  # (len(kept),)
+        counts["skipped_similar"] += int((cosine > max_similarity).sum())
+        kept = [row for row, c in zip(kept, cosine) if c <= max_similarity]
+    return kept
+
+
+# ---------------------------------------------------------------------------------------- output
+def write_triples(path: Path, triples: list[tuple[str, str, str]], counts: Counter) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for anchor, positive, negative in triples:
+            if path.suffix == ".jsonl":
+                record = {"anchor": anchor, "positive": positive, "negative": negative}
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            else:
+                fields = [anchor, positive, negative]
+                if any("\t" in t or "\n" in t for t in fields):
+                    counts["tsv_tabs_replaced"] += 1  # a tab inside a sentence would shift the columns
+                    fields = [" ".join(t.split()) for t in fields]
+                f.write("\t".join(fields) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def run(cfg: Config) -> int:
+    for path in cfg.out:
+        if path.exists() and not cfg.overwrite:
+            raise InputError(f"{path} exists; pass --overwrite or choose another --out")
+        if not path.parent.is_dir():
+            raise InputError(f"output directory {path.parent} does not exist; create it first")
+    counts: Counter = Counter()
+    pairs = read_pairs(cfg.input, cfg.min_label, counts)
+    index = SearchIndex.load(
+        cfg.index_dir, model=cfg.model, device=cfg.device, nprobe=cfg.nprobe, ef_search=cfg.ef_search
+    )
+    if cfg.rank_end > len(index):
+        raise ConfigError(f"--rank-end {cfg.rank_end} exceeds the {len(index)} sentences in {cfg.index_dir}")
+    triples = mine_negatives(
+        index, pairs, cfg.rank_start, cfg.rank_end, cfg.num_negatives, cfg.max_similarity, cfg.seed, counts,
+        cfg.batch_size, cfg.search_batch,
+    )  # fmt: skip
+    for path in cfg.out:
+        write_triples(path, triples, counts)
+    log.info("mined %d triples from %d pairs into %s", len(triples), len(pairs), ", ".join(map(str, cfg.out)))
+    print(json.dumps({"counts": dict(counts)}, ensure_ascii=False))
+    return 0
