@@ -1,0 +1,248 @@
+"""``python -m pipeline eval MODEL_OR_CHECKPOINT``: the evaluation suite.
+
+Suites: ``sts`` (Spearman on the five bundled sets and any ``--pairs`` file, optionally whitened),
+``align`` (alignment/uniformity on the same embeddings), ``probe`` (frozen-encoder logistic regression
+on the sentiment reviews), ``tfidf`` (the char TF-IDF floor, scored by the same code). Writes
+``eval.json`` and ``eval.md`` and prints the tables.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from pipeline.config import option, to_dict
+from pipeline.errors import ConfigError
+from pipeline.evaluate.sts import STS_SETS, PairSet, load_sts_sets, read_pair_file, spearman100
+
+log = logging.getLogger(__name__)
+
+SUITES = ("sts", "align", "probe", "tfidf")
+
+
+@dataclass
+class Config:
+    model: str = option(
+        "", "MODEL_OR_CHECKPOINT: model folder, checkpoint, run dir, DeepSpeed checkpoint or Hub name."
+    )
+    suite: list[str] = option(list(SUITES), "Which parts to run: any of sts, align, probe, tfidf.")
+    sets: list[str] = option(list(STS_SETS), "Bundled STS sets to score (avg5 needs all five).")
+    pairs: list[Path] = option(
+        factory=list,
+        help="Extra pair files (sentence1<TAB>sentence2<TAB>label, or JSONL) scored like the sets.",
+    )
+    max_pairs: int | None = option(
+        None, "Subsample every pair set and the probe data to this many examples (seeded); empty = all."
+    )
+    seed: int = option(0, "Seed of subsampling, the probe split and the uniformity pairs.")
+    batch_size: int = option(64, "Sentences per encoding batch.")
+    whitening: bool = option(False, "Also report BERT-whitened Spearman beside the raw score.")
+    whitening_source: Literal["corpus", "eval"] = option(
+        "corpus",
+        "Sentences the whitening is fitted on: 'corpus' = a sample of the bundled training corpus (no eval "
+        "text seen); 'eval' = each set's own sentences (transductive, as in Su et al. 2021; optimistic).",
+    )
+    whitening_sentences: int = option(10000, "How many corpus sentences to fit the whitening on.")
+    whitening_dim: int | None = option(None, "Keep this many whitened dimensions (empty = all).")
+    uniformity_pairs: int = option(100_000, "Random sentence pairs per set for the uniformity estimate.")
+    probe_test_size: float = option(0.2, "Held-out share of the stratified probe split.")
+    checkpoint: Literal["latest", "best"] = option("latest", "For a run directory: which checkpoint to use.")
+    skeleton: Path | None = option(
+        None,
+        "DeepSpeed checkpoint: model folder with config/tokenizer/encoder.json (default: found beside it).",
+    )
+    out: Path | None = option(
+        None, "Output directory (default: CHECKPOINT/eval, MODEL/eval, or ./eval_out for a Hub name)."
+    )
+    device: str = option("cpu", "torch device to encode on (cpu, cuda, cuda:1).")
+    progress: bool = option(True, "Show progress bars while encoding.")
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.suite if s not in SUITES]
+        if unknown or not self.suite:
+            raise ConfigError(f"--suite {unknown or '[]'} is not valid; choose from {', '.join(SUITES)}")
+        bad_sets = [s for s in self.sets if s not in STS_SETS]
+        if bad_sets:
+            raise ConfigError(f"--sets: unknown {bad_sets}; choose from {', '.join(STS_SETS)}")
+        if not self.model and set(self.suite) != {"tfidf"}:
+            raise ConfigError("name a MODEL_OR_CHECKPOINT (or run only --suite tfidf)")
+        if self.max_pairs is not None and self.max_pairs < 10:
+            raise ConfigError("--max-pairs must be >= 10 (Spearman on fewer pairs is noise)")
+        if self.batch_size < 1:
+            raise ConfigError("--batch-size must be >= 1")
+        if self.whitening_dim is not None and self.whitening_dim < 1:
+            raise ConfigError("--whitening-dim must be >= 1 (or empty for all dimensions)")
+        if self.whitening_sentences < 2:
+            raise ConfigError("--whitening-sentences must be >= 2")
+        if not 0.0 < self.probe_test_size < 1.0:
+            raise ConfigError("--probe-test-size must be in (0, 1)")
+        if self.uniformity_pairs < 1:
+            raise ConfigError("--uniformity-pairs must be >= 1")
+
+
+def corpus_sentences(limit: int, seed: int) -> list[str]:
+    """A seeded sample of sentences of the bundled corpus (paragraphs split at 。！？)."""
+    from pipeline.evaluate.tfidf import corpus_lines
+
+    sentences = [s for line in corpus_lines() for s in re.split(r"(?<=[。！？])", line) if len(s) >= 5]
+    if len(sentences) <= limit:
+        return sentences
+    pick = np.random.default_rng(seed).choice(len(sentences), size=limit, replace=False)
+    return [sentences[i] for i in np.sort(pick)]
+
+
+def load_pair_sets(cfg: Config) -> list[PairSet]:
+    sets = load_sts_sets(cfg.sets) + [read_pair_file(p) for p in cfg.pairs]
+    return [s.subsample(cfg.max_pairs, cfg.seed) for s in sets]
+
+
+def _with_avg(scores: dict[str, float], names: list[str]) -> dict[str, float]:
+    if all(n in scores for n in STS_SETS):  # the mean is over exactly the five bundled sets
+        scores["avg5"] = float(np.mean([scores[n] for n in STS_SETS]))
+    return {k: scores[k] for k in [*names, "avg5"] if k in scores}
+
+
+def evaluate_model(encode: Callable[[list[str], str], np.ndarray], sets: list[PairSet], cfg: Config) -> dict:
+    """STS (raw and whitened) and alignment/uniformity from one encoding of each set."""
+    from pipeline.evaluate.alignment import alignment, uniformity
+    from pipeline.evaluate.sts import embed_pair_set
+
+    names = [s.name for s in sets]
+    whitener = None
+    if cfg.whitening and cfg.whitening_source == "corpus":
+        whitener = _fit_whitening(
+            encode(corpus_sentences(cfg.whitening_sentences, cfg.seed), "whitening"), cfg
+        )
+    raw, white, align = {}, {}, {}
+    for pairs in sets:
+        embedded = embed_pair_set(lambda texts, name=pairs.name: encode(texts, name), pairs)
+        raw[pairs.name] = spearman100(embedded.cosines(), pairs.labels)
+        if cfg.whitening:
+            w = whitener or _fit_whitening(embedded.vectors, cfg)
+            white[pairs.name] = spearman100(embedded.cosines(w.apply), pairs.labels)
+        if "align" in cfg.suite:
+            positive = pairs.positive_mask()
+            vectors = embedded.vectors
+            align[pairs.name] = {
+                "align": alignment(vectors[embedded.index1[positive]], vectors[embedded.index2[positive]])
+                if positive.any()
+                else None,
+                "uniform": uniformity(vectors, cfg.uniformity_pairs, seed=cfg.seed),
+                "positives": int(positive.sum()),
+            }
+    out: dict[str, Any] = {}
+    if "sts" in cfg.suite:
+        out["model"] = _with_avg(raw, names)
+        if cfg.whitening:
+            out["model_whitened"] = _with_avg(white, names)
+    if align:
+        out["align"] = align
+    return out
+
+
+def _fit_whitening(vectors: np.ndarray, cfg: Config) -> Any:
+    from pipeline.evaluate.whitening import fit_whitening
+
+    if len(vectors) < vectors.shape[1]:
+        log.warning(
+            "whitening fitted on %d sentences for %d dimensions: the covariance is rank-deficient",
+            len(vectors),
+            vectors.shape[1],
+        )
+    dim = None if cfg.whitening_dim is None else min(cfg.whitening_dim, vectors.shape[1])
+    return fit_whitening(vectors, dim)
+
+
+def evaluate_tfidf(sets: list[PairSet]) -> dict[str, float]:
+    from pipeline.evaluate.sts import score_pairs
+    from pipeline.evaluate.tfidf import CharTfidf, corpus_lines
+
+    corpus = corpus_lines()
+    # each set gets its own IDF (corpus + its sentences), so a set's score does not depend on --sets
+    scores = {s.name: score_pairs(CharTfidf(corpus + s.sentences()), s)[0] for s in sets}
+    return _with_avg(scores, [s.name for s in sets])
+
+
+def default_out(resolved: Any) -> Path:
+    if resolved is None or resolved.kind == "hub":
+        return Path("eval_out")
+    if resolved.checkpoint_dir is not None:
+        return resolved.checkpoint_dir / "eval"
+    return Path(resolved.model_dir) / "eval"
+
+
+def run(cfg: Config) -> int:
+    from pipeline.evaluate import resolve
+    from pipeline.evaluate.tables import result_markdown
+
+    start = time.perf_counter()
+    sets = load_pair_sets(cfg)
+    resolved = resolve.resolve(cfg.model, cfg.checkpoint, cfg.skeleton) if cfg.model else None
+    out_dir = cfg.out or default_out(resolved)
+    result: dict[str, Any] = {
+        "model": resolve.describe(resolved) if resolved else None,
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "config": to_dict(cfg),
+    }
+    sts: dict[str, Any] = {"sets": [s.name for s in sets], "pairs": {s.name: len(s) for s in sets}}
+    needs_model = bool({"sts", "align", "probe"} & set(cfg.suite))
+    if needs_model and resolved is not None:
+        encoder = resolve.load_encoder(resolved, cfg.device)
+        result["model"].update(pooling=encoder.pooling, max_length=encoder.max_length, dim=encoder.dim)
+
+        def encode(texts: list[str], desc: str = "encode") -> np.ndarray:
+            return encoder.encode(texts, batch_size=cfg.batch_size, progress=cfg.progress, desc=desc)
+
+        if {"sts", "align"} & set(cfg.suite):
+            found = evaluate_model(encode, sets, cfg)
+            if "align" in found:
+                result["align"] = found.pop("align")
+            sts.update(found)
+            if cfg.whitening:
+                result["whitening"] = {
+                    "source": cfg.whitening_source,
+                    "dim": cfg.whitening_dim or encoder.dim,
+                    "sentences": cfg.whitening_sentences
+                    if cfg.whitening_source == "corpus"
+                    else "each set's own",
+                }
+        if "probe" in cfg.suite:
+            from pipeline.evaluate.probe import linear_probe, read_labelled_tsv
+
+            result["probe"] = {"data": "sentiment_reviews"} | linear_probe(
+                lambda texts: encode(texts, "probe"),
+                read_labelled_tsv(),
+                cfg.probe_test_size,
+                cfg.seed,
+                cfg.max_pairs,
+            )
+    if "tfidf" in cfg.suite:
+        sts["tfidf"] = evaluate_tfidf(sets)
+    if any(k in sts for k in ("model", "tfidf")):
+        result["sts"] = sts
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    write_result(result, out_dir)
+    print(result_markdown(result))
+    print(f"wrote {out_dir / 'eval.json'} and {out_dir / 'eval.md'} in {result['seconds']} s")
+    return 0
+
+
+def write_result(result: dict[str, Any], out_dir: Path) -> None:
+    from pipeline.evaluate.tables import result_markdown
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "eval.json").write_text(
+        json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    model = (result.get("model") or {}).get("spec", "(TF-IDF only)")
+    text = f"# Evaluation of `{model}`\n\n{result_markdown(result)}\nTook {result['seconds']} s.\n"
+    (out_dir / "eval.md").write_text(text, encoding="utf-8")
