@@ -400,6 +400,8 @@ class Checkpointer:
                 log.info("removed old checkpoint %s", path.name)
 
     # ----------------------------------------------------------------------------------------- load
+    check_compatible = staticmethod(check_compatible)  # so callers holding a Checkpointer need no import
+
     @staticmethod
     def saved_config(path: str | Path) -> dict[str, Any]:
         """The resolved config stored in checkpoint ``path`` (for :func:`check_compatible`)."""

@@ -1,0 +1,92 @@
+"""A session fixture for a real single-node SLURM cluster (launch/slurm/local_cluster.sh) and job helpers.
+
+Test modules wrap :func:`cluster_env` in a fixture (``@pytest.fixture def slurm_env(): return
+cluster_env()``). When the cluster is not running it is started if we are root
+and slurm is installed (or, with ``CI=true`` or ``SLURM_LOCAL_INSTALL=1``, installed first with
+apt-get). Where that is impossible the tests skip with the reason, except under CI, where they fail:
+CI must exercise them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER_SCRIPT = REPO / "launch" / "slurm" / "local_cluster.sh"
+_CLUSTER_ENV: dict[str, str] = {}
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def _cluster_conf() -> str:
+    out = subprocess.run(["bash", str(CLUSTER_SCRIPT), "env"], capture_output=True, text=True, check=True)
+    return out.stdout.strip().split("=", 1)[1]
+
+
+def _unavailable(reason: str) -> None:
+    if _truthy("CI"):
+        pytest.fail(f"SLURM tests must run in CI but the local cluster is unavailable: {reason}")
+    pytest.skip(f"no local SLURM cluster: {reason} (run `bash launch/slurm/local_cluster.sh start` as root)")
+
+
+def cluster_env() -> dict[str, str]:
+    """``os.environ`` plus SLURM_CONF of a running local cluster, for subprocess calls (cached)."""
+    if _CLUSTER_ENV:
+        return dict(_CLUSTER_ENV)
+    env = {**os.environ, "SLURM_CONF": os.environ.get("SLURM_CONF") or _cluster_conf()}
+    status = subprocess.run(["bash", str(CLUSTER_SCRIPT), "status"], env=env, capture_output=True)
+    if status.returncode != 0:
+        if os.geteuid() != 0:
+            _unavailable("it is not running and starting it needs root")
+        if not (_truthy("CI") or _truthy("SLURM_LOCAL_INSTALL")):
+            env["SLURM_LOCAL_NO_INSTALL"] = "1"  # never apt-get install behind a developer's back
+        start = subprocess.run(
+            ["bash", str(CLUSTER_SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=600
+        )
+        if start.returncode != 0:
+            _unavailable(start.stderr.strip().splitlines()[-1] if start.stderr.strip() else "start failed")
+    env.pop("SLURM_LOCAL_NO_INSTALL", None)
+    _CLUSTER_ENV.update(env)
+    return dict(env)
+
+
+def sbatch(env: dict[str, str], *args: str) -> str:
+    out = subprocess.run(["sbatch", "--parsable", *args], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, f"sbatch failed: {out.stderr}"
+    return out.stdout.strip().split(";")[0]
+
+
+def job_info(env: dict[str, str], job_id: str) -> dict[str, str]:
+    """``scontrol show job`` as a dict (the first record: an array's first task)."""
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True)
+    line = out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
+    return dict(re.findall(r"(\w+)=(\S*)", line))
+
+
+def array_states(env: dict[str, str], job_id: str) -> list[str]:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True)
+    return re.findall(r"JobState=(\S+)", out.stdout)
+
+
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
+
+
+def wait_for_job(env: dict[str, str], job_id: str, timeout: float, log: Path | None = None) -> dict[str, str]:
+    """Poll until every task of ``job_id`` is in a final state; returns the first task's info."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = array_states(env, job_id)
+        if states and all(s in FINAL_STATES for s in states):
+            return job_info(env, job_id)
+        time.sleep(1)
+    subprocess.run(["scancel", job_id], env=env)
+    tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+    raise AssertionError(f"job {job_id} did not finish in {timeout} s: {job_info(env, job_id)}\n{tail}")
