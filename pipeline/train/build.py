@@ -34,7 +34,7 @@ from pipeline.data.stream import (
 )
 from pipeline.errors import ConfigError
 from pipeline.losses import get_objective
-from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer, unk_rate
+from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
 from pipeline.model.vocab import read_model_config, write_vocab
 from pipeline.resources import EVAL_DIR
 from pipeline.shards import read_shard, shard_paths
@@ -134,10 +134,14 @@ def build_accelerator(cfg: Config) -> Any:
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.utils import InitProcessGroupKwargs
 
-    cpu = cfg.train.cpu or not torch.cuda.is_available()
+    no_gpu = cfg.train.cpu or not torch.cuda.is_available()
+    # Accelerate drops DeepSpeed when told to use the CPU, so under DeepSpeed a GPU-less run keeps
+    # cpu=False and gets the gloo backend explicitly (else Accelerate reports one process).
+    cpu = no_gpu and not cfg.train.deepspeed_config
+    if cfg.train.deepspeed_config and os.environ.pop("ACCELERATE_USE_CPU", None):
+        log.info("DeepSpeed: ignoring ACCELERATE_USE_CPU (DeepSpeed runs on CPU over gloo by itself)")
     kwargs: dict[str, Any] = {}
-    if cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # gloo: without it Accelerate's DeepSpeed path on CPU reports one process
+    if no_gpu and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
     if cfg.train.deepspeed_config:
         path = resolve_path(cfg.train.deepspeed_config)
@@ -208,14 +212,20 @@ def build_encoder(cfg: Config) -> SentenceEncoder:
     return SentenceEncoder(backbone, tokenizer, pooling=m.pooling, max_length=cfg.data.max_length)
 
 
-def report_unk_rate(encoder: SentenceEncoder, metrics: MetricsLogger, lines: int = 2000) -> dict[str, float]:
-    """[UNK] share of tokens on each evaluation set (first ``lines`` pairs), logged and recorded."""
-    rates = {}
+def report_unk_rate(encoder: SentenceEncoder, metrics: MetricsLogger, lines: int = 500) -> dict[str, float]:
+    """[UNK] share of tokens on each evaluation set (first ``lines`` pairs), logged and recorded.
+
+    The same measure as :func:`pipeline.model.unk_rate`, tokenised in one batch call per file.
+    """
+    tokenizer, rates = encoder.tokenizer, {}
     for path in sorted(EVAL_DIR.glob("*.tsv")):
         texts = []
         for line in path.read_text(encoding="utf-8").splitlines()[:lines]:
             texts.extend(f for f in line.split("\t") if f and not f.lstrip("-").isdigit())
-        rates[path.stem] = round(unk_rate(encoder.tokenizer, texts), 5)
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        total = sum(len(x) for x in ids)
+        hits = sum(x.count(tokenizer.unk_token_id) for x in ids)
+        rates[path.stem] = round(hits / max(total, 1), 5)
     log.info("[UNK] rate on the evaluation sets: %s", rates)
     metrics.log({"event": "unk_rate", **rates})
     return rates
