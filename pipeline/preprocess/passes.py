@@ -8,8 +8,10 @@ pass 2, ``dedup``   one partition, read from every unit -> sorted by (shuffle ke
 pass 3, ``shards``  one output shard = one range of the global order (partitions concatenated in
                     key order) -> ``OUT/shard-NNNNNN.tar`` + ``shards/shard-NNNNNN.json`` (its entry).
 
-Every output is written to a temporary name and renamed; the ``.json`` goes last, so its presence
-means the piece is complete and a rerun skips it.
+Every output is written to a temporary name and renamed; the ``.json`` goes last and records the
+size of its data file, so a rerun skips a piece only when its ``.json`` parses and the size matches.
+Work files are not fsynced (a killed process loses nothing the kernel already has); after a machine
+crash the size check catches what the page cache did not write out, and the piece is redone.
 
 The shuffle key of a sentence is a seeded bijective mix of its 64-bit id (blake2b of the text), so
 the key order is a pseudo-random permutation of all unique sentences, fixed by (text, seed) alone.
@@ -37,7 +39,7 @@ import pyarrow.compute as pc
 from pipeline.errors import InputError
 from pipeline.preprocess.readers import SOURCES, Unit, iter_lines, line_number_base
 from pipeline.preprocess.text import cjk_count, clean_paragraphs, has_control, split_sentences
-from pipeline.shards import BASE_SCHEMA, atomic_write_json, fsync_dir, shard_name, write_shard
+from pipeline.shards import BASE_SCHEMA, shard_name, write_shard
 
 Progress = Callable[[int], None]
 
@@ -88,11 +90,19 @@ def _tmp(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def _commit(tmp: Path, path: Path) -> None:
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+def write_json(path: Path, obj: dict[str, Any]) -> None:
+    """Atomic (temporary name + rename) but not fsynced: see the module docstring."""
+    tmp = _tmp(path)
+    tmp.write_text(json.dumps(obj, sort_keys=True, ensure_ascii=False), encoding="utf-8")
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+
+
+def is_done(data_path: Path, json_path: Path) -> bool:
+    """True if the piece's ``.json`` is readable and its data file has the recorded size."""
+    try:
+        return data_path.stat().st_size == read_json(json_path)["bytes"]
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 # --------------------------------------------------------------------------------------------- keys
@@ -166,7 +176,7 @@ class _PartitionWriter:
         self.flush()
         self.writer.close()
         self.sink.close()
-        _commit(self.tmp, self.path)
+        os.replace(self.tmp, self.path)
         return {str(p): b for p, b in sorted(self.batches.items())}
 
 
@@ -268,8 +278,9 @@ def split_unit(work: Path, index: int, unit: Unit, filters: Filters, progress: P
         "counts": dict(sorted(counts.items())),
         "batches": batches,
         "examples": bad.examples,
+        "bytes": arrow_path.stat().st_size,
     }
-    atomic_write_json(json_path, result)
+    write_json(json_path, result)
     return result
 
 
@@ -307,9 +318,14 @@ def dedup_partition(
     tmp = _tmp(arrow_path)
     with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, BASE_SCHEMA, options=_IPC_OPTIONS) as w:
         w.write_table(out, max_chunksize=DEDUP_BATCH_ROWS)
-    _commit(tmp, arrow_path)
-    result = {"partition": part, "rows_in": rows_in, "unique": out.num_rows, "batch_rows": DEDUP_BATCH_ROWS}
-    atomic_write_json(json_path, result)
+    os.replace(tmp, arrow_path)
+    result = {
+        "partition": part,
+        "rows_in": rows_in,
+        "unique": out.num_rows,
+        "bytes": arrow_path.stat().st_size,
+    }
+    write_json(json_path, result)
     progress(rows_in)
     return result
 
@@ -333,12 +349,13 @@ def write_output_shard(
             table = pa.Table.from_batches(batches, schema=BASE_SCHEMA)
             tables.append(table.slice(lo - first * DEDUP_BATCH_ROWS, hi - lo).combine_chunks())
     rows = pa.concat_tables(tables)
-    # One record batch per block whatever the partition boundaries: identical bytes for any P.
+    # Each block is a fresh copy (take), one record batch, whatever the partition boundaries and
+    # slice offsets were: the bytes then depend on the rows only, not on P or the unit sizes.
     blocks = (
-        rows.slice(start, rows_per_block).combine_chunks()
+        rows.take(np.arange(start, min(start + rows_per_block, rows.num_rows))).combine_chunks()
         for start in range(0, rows.num_rows, rows_per_block)
     )
     entry = write_shard(out / shard_name(shard), blocks, shard)
-    atomic_write_json(shard_entry_path(work, shard), entry)
+    write_json(shard_entry_path(work, shard), entry)
     progress(entry["sentences"])
     return entry

@@ -31,7 +31,7 @@ from pipeline.errors import ConfigError, InputError
 from pipeline.preprocess import passes
 from pipeline.preprocess.readers import COLLECTIONS, Unit, expand_inputs, plan_units
 from pipeline.resources import SAMPLE_CORPUS
-from pipeline.shards import MANIFEST, atomic_write_json, new_manifest
+from pipeline.shards import MANIFEST, atomic_write_json, new_manifest, shard_name
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ def _split_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
         strict=cfg.strict,
     )
     mine = _mine(cfg, len(plan.units))
-    todo = [u for u in mine if not passes.split_paths(cfg.work, u)[1].exists()]
+    todo = [u for u in mine if not passes.is_done(*passes.split_paths(cfg.work, u))]
     _log_skipped("split", "units", len(mine), len(todo))
     jobs = [(passes.split_unit, (cfg.work, u, plan.units[u], filters)) for u in todo]
     with tqdm(desc="split", unit="sent", unit_scale=True, dynamic_ncols=True, mininterval=1.0) as bar:
@@ -274,14 +274,14 @@ def _split_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
 
 
 def _dedup_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
-    metas = _require(cfg, "split", [passes.split_paths(cfg.work, u)[1] for u in range(len(plan.units))])
+    metas = _require(cfg, "split", [passes.split_paths(cfg.work, u) for u in range(len(plan.units))])
     pieces: dict[int, list[tuple[str, list[int], int]]] = {}
     for u, meta in enumerate(metas):
         arrow = str(passes.split_paths(cfg.work, u)[0])
         for part, batch_indices in meta["batches"].items():
             pieces.setdefault(int(part), []).append((arrow, batch_indices, meta["source"]))
     mine = _mine(cfg, plan.num_partitions)
-    todo = [p for p in mine if not passes.dedup_paths(cfg.work, p)[1].exists()]
+    todo = [p for p in mine if not passes.is_done(*passes.dedup_paths(cfg.work, p))]
     _log_skipped("dedup", "partitions", len(mine), len(todo))
     jobs = [(passes.dedup_partition, (cfg.work, p, pieces.get(p, []), cfg.seed)) for p in todo]
     with tqdm(desc="dedup", unit="sent", unit_scale=True, dynamic_ncols=True, mininterval=1.0) as bar:
@@ -292,7 +292,7 @@ def _dedup_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
 def _shard_ranges(cfg: Config, plan: Plan) -> list[list[tuple[str, int, int]]]:
     """For each output shard, the (partition file, first row, end row) pieces it is cut from."""
     paths = [passes.dedup_paths(cfg.work, p) for p in range(plan.num_partitions)]
-    metas = _require(cfg, "dedup", [j for _, j in paths])
+    metas = _require(cfg, "dedup", paths)
     total = sum(m["unique"] for m in metas)
     size = cfg.sentences_per_shard
     ranges: list[list[tuple[str, int, int]]] = [[] for _ in range(math.ceil(total / size))]
@@ -311,7 +311,9 @@ def _shard_ranges(cfg: Config, plan: Plan) -> list[list[tuple[str, int, int]]]:
 def _shards_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
     ranges = _shard_ranges(cfg, plan)
     mine = _mine(cfg, len(ranges))
-    todo = [s for s in mine if not passes.shard_entry_path(cfg.work, s).exists()]
+    todo = [
+        s for s in mine if not passes.is_done(cfg.out / shard_name(s), passes.shard_entry_path(cfg.work, s))
+    ]
     _log_skipped("shards", "shards", len(mine), len(todo))
     cfg.out.mkdir(parents=True, exist_ok=True)
     args = (cfg.out, cfg.work)
@@ -322,17 +324,11 @@ def _shards_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
 
 
 def _finalize(cfg: Config, plan: Plan, elapsed: float) -> None:
-    units = _require(cfg, "split", [passes.split_paths(cfg.work, u)[1] for u in range(len(plan.units))])
-    parts = _require(cfg, "dedup", [passes.dedup_paths(cfg.work, p)[1] for p in range(plan.num_partitions)])
+    units = _require(cfg, "split", [passes.split_paths(cfg.work, u) for u in range(len(plan.units))])
+    parts = _require(cfg, "dedup", [passes.dedup_paths(cfg.work, p) for p in range(plan.num_partitions)])
     num_shards = len(_shard_ranges(cfg, plan))
-    entries = _require(cfg, "shards", [passes.shard_entry_path(cfg.work, s) for s in range(num_shards)])
-    for entry in entries:
-        path = cfg.out / entry["name"]
-        if not path.is_file() or path.stat().st_size != entry["bytes"]:
-            raise InputError(
-                f"{path} is missing or changed; delete {passes.shard_entry_path(cfg.work, 0).parent}"
-                f"/{Path(entry['name']).stem}.json and rerun --phase shards"
-            )
+    shards = [(cfg.out / shard_name(s), passes.shard_entry_path(cfg.work, s)) for s in range(num_shards)]
+    entries = _require(cfg, "shards", shards)
     counts = summed_counts([u["counts"] for u in units], parts)
     manifest = new_manifest("preprocess", output_config(cfg), entries, counts=counts)
     atomic_write_json(cfg.out / MANIFEST, manifest)
@@ -374,14 +370,15 @@ def summed_counts(unit_counts: list[dict[str, int]], parts: list[dict[str, Any]]
     }
 
 
-def _require(cfg: Config, phase: str, paths: list[Path]) -> list[dict[str, Any]]:
-    missing = [p for p in paths if not p.exists()]
+def _require(cfg: Config, phase: str, pieces: list[tuple[Path, Path]]) -> list[dict[str, Any]]:
+    """The ``.json`` of every (data file, json) piece of a phase, or an error naming what is missing."""
+    missing = [j for d, j in pieces if not passes.is_done(d, j)]
     if missing:
         raise InputError(
-            f"phase {phase} is not finished in {cfg.work} ({len(missing)} of {len(paths)} pieces missing, "
+            f"phase {phase} is not finished in {cfg.work} ({len(missing)} of {len(pieces)} pieces missing, "
             f"e.g. {missing[0].name}); run --phase {phase} (every task) first"
         )
-    return [passes.read_json(p) for p in paths]
+    return [passes.read_json(j) for _, j in pieces]
 
 
 def _log_skipped(phase: str, what: str, mine: int, todo: int) -> None:
