@@ -51,15 +51,33 @@ def num_changes(alpha: float, num_words: int) -> int:
     return max(1, int(alpha * num_words))
 
 
+# Token kinds: punctuation/space, a word, a word that synonym replacement and insertion may use.
+NOT_WORD, WORD, REPLACEABLE = 0, 1, 2
+
+
+def token_kind(token: str, synonyms: SynonymSource, stopwords: frozenset[str]) -> int:
+    if not is_word(token):
+        return NOT_WORD
+    return REPLACEABLE if token not in stopwords and token in synonyms else WORD
+
+
 class Sentence:
     """A segmented sentence: its words and the positions each operation may touch (computed once)."""
 
     __slots__ = ("words", "word_pos", "syn_pos")
 
-    def __init__(self, words: Words, synonyms: SynonymSource, stopwords: frozenset[str]) -> None:
+    def __init__(
+        self,
+        words: Words,
+        synonyms: SynonymSource,
+        stopwords: frozenset[str],
+        kinds: Sequence[int] | None = None,
+    ) -> None:
+        if kinds is None:
+            kinds = [token_kind(w, synonyms, stopwords) for w in words]
         self.words = words
-        self.word_pos = [i for i, w in enumerate(words) if is_word(w)]
-        self.syn_pos = [i for i in self.word_pos if words[i] not in stopwords and words[i] in synonyms]
+        self.word_pos = [i for i, k in enumerate(kinds) if k]
+        self.syn_pos = [i for i, k in enumerate(kinds) if k == REPLACEABLE]
 
 
 # --------------------------------------------------------------------------------------------- ops
@@ -153,11 +171,26 @@ class Augmenter:
         self.specs = [parse_op(spec) for spec in params.ops]
         self.spec_names = ["+".join(spec) for spec in self.specs]
         self.weights = list(params.weights) if params.weights else [1.0] * len(self.specs)
+        # What each spec needs to apply: a replaceable word (sr, ri) and/or two words (rs, rd).
+        self.needs = [
+            (any(op in ("sr", "ri") for op in spec), any(op in ("rs", "rd") for op in spec))
+            for spec in self.specs
+        ]
+        self._kinds: dict[str, int] = {}  # token -> kind; a few dict hits replace regex and set lookups
 
-    def _applicable(self, s: Sentence, spec: Sequence[str]) -> bool:
-        needs_synonym = any(op in ("sr", "ri") for op in spec)
-        needs_two_words = any(op in ("rs", "rd") for op in spec)
-        return (not needs_synonym or bool(s.syn_pos)) and (not needs_two_words or len(s.word_pos) >= 2)
+    def _kind(self, token: str) -> int:
+        kind = self._kinds.get(token)
+        if kind is None:
+            kind = token_kind(token, self.synonyms, self.stopwords)
+            if len(self._kinds) < 2_000_000:  # bounded: a web corpus has an endless tail of tokens
+                self._kinds[token] = kind
+        return kind
+
+    def sentence(self, text: str) -> Sentence:
+        words = self.segment(text)
+        get = self._kinds.get
+        kinds = [k if (k := get(w)) is not None else self._kind(w) for w in words]
+        return Sentence(words, self.synonyms, self.stopwords, kinds)
 
     def _apply(self, s: Sentence, spec: Sequence[str], rng: random.Random) -> Words | None:
         words: Words | None = None
@@ -172,12 +205,15 @@ class Augmenter:
     def augment(self, sentence_id: int, text: str, counts: dict[str, int] | None = None):
         """Return ``(variants, ops)`` for one sentence; add ``rejected``/``duplicates`` to ``counts``."""
         p = self.params
-        s = Sentence(self.segment(text), self.synonyms, self.stopwords)
+        s = self.sentence(text)
         variants: list[str] = []
         ops: list[str] = []
         if len(s.word_pos) < p.min_words:
             return variants, ops
-        usable = [i for i, spec in enumerate(self.specs) if self._applicable(s, spec)]
+        has_synonym, has_two = bool(s.syn_pos), len(s.word_pos) >= 2
+        usable = [
+            i for i, (syn, two) in enumerate(self.needs) if (has_synonym or not syn) and (has_two or not two)
+        ]
         if not usable:
             return variants, ops
         weights = [self.weights[i] for i in usable]

@@ -31,6 +31,9 @@ class SynonymSource:
     def __contains__(self, word: str) -> bool:
         return word in self._table
 
+    def __getitem__(self, word: str) -> tuple[str, ...]:
+        return self._table[word]
+
     def __len__(self) -> int:
         return len(self._table)
 
