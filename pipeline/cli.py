@@ -87,7 +87,7 @@ def parse_cli(
             else:
                 raise ConfigError(f"--{key.replace('_', '-')} needs a value")
         if typing_is_list(tp) and key in overrides:  # repeated list flags accumulate
-            overrides[key] = list(overrides[key]) + _as_list(parse_value(value, tp))
+            overrides[key] = _as_list(overrides[key]) + _as_list(parse_value(value, tp))
         else:
             overrides[key] = parse_value(value, tp)
     if positional_values:

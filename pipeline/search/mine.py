@@ -80,7 +80,10 @@ def normalize_text(text: str) -> str:
 
 # ---------------------------------------------------------------------------------------- input
 def read_pairs(path: Path, min_label: float | None, counts: Counter) -> list[tuple[str, str]]:
-    """(anchor, positive) pairs from TSV or JSONL; malformed lines are errors naming the line."""
+    """(anchor, positive) pairs from TSV or JSONL; malformed lines are errors naming the line.
+
+    Unlike :func:`pipeline.data.pairs.read_pairs` the label is optional: mining needs only pairs.
+    """
     if not path.is_file():
         raise InputError(f"pairs file {path} does not exist")
     jsonl = path.suffix in (".jsonl", ".json")
@@ -123,16 +126,25 @@ def _jsonl_pairs(line: str, where: str, min_label: float | None, counts: Counter
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         raise InputError(f"{where}: not valid JSON ({exc.msg})") from None
-    anchor = record.get("anchor", record.get("query")) if isinstance(record, dict) else None
-    positives = record.get("positive", record.get("pos")) if isinstance(record, dict) else None
+    if not isinstance(record, dict):
+        raise InputError(f"{where}: expected a JSON object")
+    anchor = next((record[k] for k in ("anchor", "query", "sentence1") if k in record), None)
+    positives = next((record[k] for k in ("positive", "pos", "sentence2") if k in record), None)
     if isinstance(positives, str):
         positives = [positives]
-    if not isinstance(anchor, str) or not anchor.strip() or not positives:
+    if not isinstance(anchor, str) or not anchor.strip() or not isinstance(positives, list) or not positives:
         raise InputError(
             f'{where}: expected {{"anchor": str, "positive": str}} (or "query" and "pos": [str])'
         )
     if any(not isinstance(p, str) or not p.strip() for p in positives):
         raise InputError(f"{where}: positives must be non-empty strings")
+    if min_label is not None:
+        label = record.get("label")
+        if isinstance(label, bool) or not isinstance(label, (int, float)):
+            raise InputError(f'{where}: --min-label needs a numeric "label"')
+        if label < min_label:
+            counts["below_min_label"] += 1
+            return []
     return [(anchor.strip(), p.strip()) for p in positives]
 
 
