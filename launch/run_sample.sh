@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The README's main job on the bundled sample (People's Daily, Jan 1998), on CPU in minutes:
+#   preprocess -> augment (EDA variants) -> LUSE pretraining of a small from-scratch BERT -> evaluation.
+# Rerunning continues where it stopped: finished stages are skipped, training resumes from its
+# newest checkpoint. Extra arguments go to the training command, e.g. --train.max_steps=100.
+#   NPROC=2 bash launch/run_sample.sh      # two training processes (gloo) instead of one
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+OUT=${OUT:-runs/sample}
+NPROC=${NPROC:-1}
+export TOKENIZERS_PARALLELISM=false
+
+if [ ! -f "$OUT/shards/manifest.json" ]; then
+  "$PY" -m pipeline preprocess --out "$OUT/shards" --sentences_per_shard 8000 --rows_per_block 1000
+fi
+if [ ! -f "$OUT/augmented/manifest.json" ]; then
+  "$PY" -m pipeline augment --shards "$OUT/shards" --out "$OUT/augmented" --num_variants 2 --workers 2
+fi
+
+TRAIN_ARGS=(--config launch/configs/default.yaml --data.shards="$OUT/augmented" --run_dir="$OUT/train" "$@")
+if [ "$NPROC" -gt 1 ]; then
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ACCELERATE_USE_CPU=1 \
+    "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" launch/pretrain.py "${TRAIN_ARGS[@]}"
+else
+  "$PY" launch/pretrain.py "${TRAIN_ARGS[@]}"
+fi
+
+if "$PY" -c "import pipeline.evaluate.run" 2>/dev/null; then
+  "$PY" -m pipeline eval "$OUT/train/model"
+else  # no evaluation command: the STS-B valid score the trainer logged
+  grep '"event": "eval"' "$OUT/train/metrics.jsonl" | tail -1
+fi
