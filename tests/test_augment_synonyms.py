@@ -199,3 +199,13 @@ def test_augment_uses_the_vector_cache(tmp_path):
     jieba.setLogLevel(logging.WARNING)
     s = Sentence(jieba.lcut("我们去公园散步", HMM=False), synonyms, frozenset())
     assert "".join(synonym_replacement(s, 0.1, random.Random(0), synonyms)) == "我们去花园散步"
+
+
+def test_zero_vectors_duplicates_and_a_short_header_are_handled(tmp_path):
+    path = tmp_path / "v.txt"  # the header says 2 words; the file has 5
+    path.write_text("2 2\n甲 1 0\n乙 0 0\n丙 0.9 0.1\n甲 5 5\n丁 0 1\n", encoding="utf-8")
+    table = build(tmp_path, path, format="text")
+    assert table.column("word").to_pylist() == ["甲", "丙", "丁"]
+    assert table.column("synonyms").to_pylist()[:2] == [["丙"], ["甲"]]
+    counts = vs.read_cache_metadata(tmp_path / "cache.parquet")["counts"]
+    assert counts == {"read": 5, "kept": 3, "duplicate": 1, "non_cjk": 0, "zero_vector": 1}

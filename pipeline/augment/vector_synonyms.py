@@ -108,11 +108,13 @@ class Vectors:
 class _Collector:
     """Applies the word filters while reading, so a capped read stops early."""
 
-    def __init__(self, cfg: Config, dim: int) -> None:
+    def __init__(self, cfg: Config, dim: int, expected: int) -> None:
         self.cfg, self.dim = cfg, dim
         self.words: list[str] = []
         self.seen: set[str] = set()
-        self.rows: list[np.ndarray] = []
+        # One preallocated matrix: a list of 8M small arrays would cost ~100 bytes each plus a copy.
+        capacity = max(1, min(expected, cfg.max_words or expected))
+        self.matrix = np.empty((capacity, dim), dtype=np.float32)
         self.counts = {"read": 0, "kept": 0, "duplicate": 0, "non_cjk": 0}
 
     @property
@@ -130,9 +132,11 @@ class _Collector:
         return True
 
     def add(self, word: str, vector: np.ndarray) -> None:
+        if len(self.words) == len(self.matrix):  # the header undercounted: grow
+            self.matrix = np.resize(self.matrix, (2 * len(self.matrix), self.dim))
+        self.matrix[len(self.words)] = vector
         self.seen.add(word)
         self.words.append(word)
-        self.rows.append(vector)
 
 
 def _parse_header(line: bytes, path: Path) -> tuple[int, int]:
@@ -212,15 +216,19 @@ def read_vectors(cfg: Config) -> Vectors:
     with open(path, "rb") as f:
         count, dim = _parse_header(f.readline(), path)
     fmt = sniff_format(path) if cfg.format == "auto" else cfg.format
-    collect = _Collector(cfg, dim)
+    collect = _Collector(cfg, dim, count)
     (_read_text if fmt == "text" else _read_binary)(path, collect, dim)
     if not collect.words:
         raise InputError(f"{path}: no words left to index (header says {count}); check --cjk-only")
-    matrix = np.stack(collect.rows)
+    matrix = collect.matrix[: len(collect.words)]
     norms = np.linalg.norm(matrix, axis=1)
     nonzero = norms > 0  # a zero vector has no direction: it cannot be anyone's synonym
-    words = [w for w, keep in zip(collect.words, nonzero) if keep]
-    matrix = np.ascontiguousarray(matrix[nonzero] / norms[nonzero, None], dtype=np.float32)
+    words = collect.words
+    if not nonzero.all():
+        words = [w for w, keep in zip(words, nonzero) if keep]
+        matrix, norms = matrix[nonzero], norms[nonzero]
+    matrix /= norms[:, None]  # in place: no second copy of a multi-GB matrix
+    matrix = np.ascontiguousarray(matrix)
     counts = collect.counts | {"zero_vector": int((~nonzero).sum()), "kept": len(words)}
     log.info("read %s (%s, dim %d): %s", path, fmt, dim, counts)
     return Vectors(words, matrix, counts)
