@@ -281,18 +281,18 @@ def run_index_subprocess(model: Path, sentences: Path, out: Path, chunk_size: in
         "--out",
         str(out),
     ]
-    argv += ["--chunk-size", str(chunk_size), "--batch-size", "16", "--keep-work"]
+    argv += ["--chunk-size", str(chunk_size), "--batch-size", "5", "--keep-work"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 @pytest.mark.slow
 def test_restart_after_sigkill_equals_uninterrupted_build(tiny_model, tmp_path):
-    lines = corpus_lines(1600)
+    lines = corpus_lines(200)
     sentences = tmp_path / "s.txt"
     sentences.write_text("\n".join(lines) + "\n", encoding="utf-8")
     out = tmp_path / "killed"
-    proc = run_index_subprocess(tiny_model, sentences, out, chunk_size=20)  # 80 chunks
+    proc = run_index_subprocess(tiny_model, sentences, out, chunk_size=5)  # 40 chunks
     work = out / ".work"
     deadline = time.time() + 120
     while not (work / "emb-000002.npy").exists():
@@ -306,14 +306,14 @@ def test_restart_after_sigkill_equals_uninterrupted_build(tiny_model, tmp_path):
     with pytest.raises(InputError, match="did not finish"):
         SearchIndex.load(out)
     survivors = {p.name: p.stat().st_mtime_ns for p in work.glob("emb-*.npy")}
-    assert 3 <= len(survivors) < 80
+    assert 3 <= len(survivors) < 40
 
-    common = ["--input", str(sentences), "--chunk-size", "20", "--batch-size", "16", "--keep-work"]
+    common = ["--input", str(sentences), "--chunk-size", "5", "--batch-size", "5", "--keep-work"]
     assert main(["index", str(tiny_model), "--out", str(out)] + common) == 0  # resumes
     assert main(["index", str(tiny_model), "--out", str(tmp_path / "whole")] + common) == 0
     for name, mtime in survivors.items():
         assert (work / name).stat().st_mtime_ns == mtime, f"{name} was encoded again"
-    assert len(list(work.glob("emb-*.npy"))) == 80
+    assert len(list(work.glob("emb-*.npy"))) == 40
     for name in ("index.faiss", "corpus.parquet"):
         assert sha256_file(out / name) == sha256_file(tmp_path / "whole" / name), name
 
