@@ -250,6 +250,7 @@ def build_index(cfg: Config, matrix: np.ndarray, saved: Path | None = None) -> t
     ``saved``: where a trained approximate index is kept so a restarted build searches the very same
     index (IVF k-means is not bit-reproducible across thread counts).
     """
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # it logs each CPU variant it tries
     import faiss
 
     if cfg.threads:
