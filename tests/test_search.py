@@ -393,3 +393,50 @@ def test_index_input_errors_are_one_line(tiny_model, flat_index, sentences, tmp_
     assert main(["index", str(tiny_model), "--input", str(sentences), "--out", str(tmp_path / "o"),
                  "--reduce", "pca", "--reduce-dim", "64"]) == 2  # fmt: skip
     assert "--reduce-dim 64 exceeds the model's 32 dimensions" in one_line_error(capsys)
+
+
+def write_shards(directory: Path, texts: list[str]) -> None:
+    import pyarrow as pa
+
+    from pipeline.shards import BASE_SCHEMA, atomic_write_json, new_manifest, shard_name, write_shard
+
+    directory.mkdir(parents=True)
+    entries = []
+    for s, part in enumerate((texts[:60], texts[60:])):
+        blocks = [
+            pa.table(
+                {
+                    "id": [sentence_id(t) for t in part[b : b + 25]],
+                    "text": part[b : b + 25],
+                    "source": ["plain"] * len(part[b : b + 25]),
+                },
+                schema=BASE_SCHEMA,
+            )  # fmt: skip
+            for b in range(0, len(part), 25)
+        ]
+        entries.append(write_shard(directory / shard_name(s), blocks, s))
+    atomic_write_json(directory / "manifest.json", new_manifest("preprocess", {}, entries))
+
+
+def test_index_from_shards_and_a_checkpoint_directory(tiny_model, tmp_path, capsys):
+    import shutil
+
+    texts = corpus_lines(100, skip=2000)
+    write_shards(tmp_path / "shards", texts)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000010"
+    shutil.copytree(tiny_model, checkpoint / "model")
+    out = tmp_path / "idx"
+    assert main(["index", str(checkpoint), "--input", str(tmp_path / "shards"), "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["input"]["kind"] == "shards" and manifest["counts"]["indexed"] == 100
+    assert manifest["model"]["path"] == str((checkpoint / "model").resolve())
+    index = SearchIndex.load(out, device="cpu")
+    assert index.ids.tolist() == [sentence_id(t) for t in texts]
+    assert index.search([texts[70]], k=1)[0][0].text == texts[70]
+
+    with open(tmp_path / "shards" / "shard-000001.tar", "r+b") as f:  # same size, different bytes
+        f.seek(600)
+        f.write(b"\x01")
+    argv = ["index", str(tiny_model), "--input", str(tmp_path / "shards"), "--out", str(tmp_path / "o2")]
+    assert main(argv) == 2
+    assert "shard-000001.tar fails its sha256 check" in one_line_error(capsys)

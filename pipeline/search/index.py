@@ -19,6 +19,7 @@ import numpy as np
 from pipeline import __version__
 from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError, InputError
+from pipeline.evaluate.resolve import Resolved
 from pipeline.search import layout
 from pipeline.search.backend import build_index, default_nlist, faiss_module, write_index
 from pipeline.search.chunks import ChunkStore
@@ -83,14 +84,20 @@ class Config:
             raise ConfigError("--ef-construction and --ef-search must be >= 1")
 
 
-def load_encoder(ref: str, max_length: int | None, device: str) -> Any:
+def load_encoder(ref: str, max_length: int | None, device: str) -> tuple[Any, Resolved]:
+    """A model folder, checkpoint, run directory or Hub name (see pipeline.evaluate.resolve), loaded."""
     import torch
 
-    from pipeline.model import SentenceEncoder
+    from pipeline.evaluate.resolve import load_encoder as load_resolved
+    from pipeline.evaluate.resolve import resolve
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return SentenceEncoder.from_pretrained(ref, max_length=max_length).to(device)
+    resolved = resolve(ref)
+    encoder = load_resolved(resolved, device)
+    if max_length is not None:
+        encoder.max_length = max_length
+    return encoder, resolved
 
 
 def encode_chunks(encoder: Any, corpus: Corpus, store: ChunkStore, batch_size: int) -> None:
@@ -151,15 +158,15 @@ def run(cfg: Config) -> int:
     started = time.time()
     out = Path(cfg.out)
     prepare_out(out, cfg.overwrite)
-    model_ref = layout.resolve_model(cfg.model)
-    encoder = load_encoder(model_ref, cfg.max_length, cfg.device)
+    encoder, resolved = load_encoder(cfg.model, cfg.max_length, cfg.device)
     corpus = read_corpus(cfg.input, dedup=cfg.dedup)
     n, dim = len(corpus.texts), encoder.dim
-    local_model = Path(model_ref).is_dir()
+    model_dir = resolved.skeleton_dir or resolved.model_dir  # where encoder.json lives
     model_info = {
         "ref": cfg.model,
-        "path": str(Path(model_ref).resolve()) if local_model else model_ref,
-        "weights_sha256": layout.model_fingerprint(model_ref),
+        "kind": resolved.kind,
+        "path": str(Path(resolved.model_dir).resolve()) if resolved.model_dir else resolved.spec,
+        "weights_sha256": layout.model_fingerprint(resolved.model_dir),
         "pooling": encoder.pooling,
         "max_length": encoder.max_length,
         "dim": dim,
@@ -193,8 +200,8 @@ def run(cfg: Config) -> int:
     if reduction is not None:
         reduction.save(out / layout.REDUCTION_FILE)
         files.append(layout.REDUCTION_FILE)
-    if local_model and (Path(model_ref) / layout.ENCODER_COPY).is_file():
-        shutil.copyfile(Path(model_ref) / layout.ENCODER_COPY, out / layout.ENCODER_COPY)
+    if model_dir is not None and (Path(model_dir) / layout.ENCODER_COPY).is_file():
+        shutil.copyfile(Path(model_dir) / layout.ENCODER_COPY, out / layout.ENCODER_COPY)
         files.append(layout.ENCODER_COPY)
     manifest = {
         "format": layout.FORMAT,

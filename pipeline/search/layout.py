@@ -82,29 +82,11 @@ def check_files(directory: Path, manifest: dict[str, Any], checksums: bool = Tru
 
 
 # ------------------------------------------------------------------------------------------ model
-def resolve_model(ref: str) -> str:
-    """A model name or folder, or one of our checkpoints / run directories, as a loadable reference.
-
-    ``RUN`` -> the checkpoint named by ``RUN/checkpoints/latest``; ``.../step-N`` -> its ``model/``.
-    Anything else (a Hub name, an exported folder) is returned unchanged.
-    """
-    path = Path(ref)
-    if not path.is_dir():
-        return ref
-    latest = path / "checkpoints" / "latest"
-    if latest.exists() and not (path / "config.json").is_file():
-        target = latest.resolve() if latest.is_dir() else path / "checkpoints" / latest.read_text().strip()
-        path = target
-    if (path / "model").is_dir() and not (path / "config.json").is_file():
-        path = path / "model"
-    return str(path)
-
-
-def model_fingerprint(ref: str) -> str | None:
+def model_fingerprint(model_dir: Path | None) -> str | None:
     """sha256 of a local model's weight files (None for a Hub name): chunks from other weights are stale."""
-    path = Path(ref)
-    if not path.is_dir():
+    if model_dir is None or not Path(model_dir).is_dir():
         return None
+    path = Path(model_dir)
     weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
     if not weights:
         return None
