@@ -330,9 +330,10 @@ def _process(cfg: Config, jobs: list[ShardJob]) -> None:
             return
         ctx = mp.get_context("spawn")  # no fork of a process that may hold threads (tqdm, pyarrow)
         progress = ctx.Queue()
-        with cf.ProcessPoolExecutor(
+        pool = cf.ProcessPoolExecutor(
             min(cfg.workers, len(jobs)), mp_context=ctx, initializer=_init_worker, initargs=(cfg, progress)
-        ) as pool:
+        )
+        try:
             pending = {pool.submit(_run_in_worker, job) for job in jobs}
             while pending:
                 done, pending = cf.wait(pending, timeout=0.2, return_when=cf.FIRST_COMPLETED)
@@ -340,6 +341,8 @@ def _process(cfg: Config, jobs: list[ShardJob]) -> None:
                 for future in done:
                     future.result()  # re-raises a worker's InputError naming the shard
             _drain(progress, bar)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # on an error, do not start the queued shards
     finally:
         bar.close()
 
