@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,15 +174,18 @@ def load_encoder(resolved: Resolved, device: str = "cpu") -> SentenceEncoder:
 # DeepSpeed pickles its checkpoints and its reader calls torch.load(weights_only=False). Forcing
 # weights_only keeps the load safe; these are the non-tensor globals its model/optim files hold.
 def _deepspeed_safe_globals() -> list[Any]:
-    found: list[Any] = []
-    with contextlib.suppress(ImportError):
-        from deepspeed.runtime.zero.config import ZeroStageEnum
+    import importlib
 
-        found.append(ZeroStageEnum)
-    with contextlib.suppress(ImportError):
-        from deepspeed.runtime.fp16.loss_scaler import LossScaler
-
-        found.append(LossScaler)
+    names = [
+        ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+        ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+        ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+        ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ]
+    found = []
+    for module, name in names:
+        with contextlib.suppress(ImportError, AttributeError):
+            found.append(getattr(importlib.import_module(module), name))
     return found
 
 
@@ -237,7 +241,14 @@ def consolidate_zero(zero_dir: Path, skeleton_dir: Path) -> SentenceEncoder:
         with _weights_only_loads():
             state = get_fp32_state_dict_from_zero_checkpoint(str(zero_dir), tag=tag.name if tag else None)
     except Exception as exc:  # missing shards, truncated pickles, unexpected layouts
-        raise InputError(f"cannot consolidate DeepSpeed checkpoint {zero_dir}: {_first_line(exc)}") from None
+        unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        reason = (
+            f"it pickles {unsafe.group(1)}, which is not on our safe-load list (add it in resolve.py if you "
+            "trust the checkpoint)"
+            if unsafe
+            else _first_line(exc)
+        )
+        raise InputError(f"cannot consolidate DeepSpeed checkpoint {zero_dir}: {reason}") from None
     try:
         encoder = SentenceEncoder.from_pretrained(str(skeleton_dir))
     except InputError:

@@ -1,0 +1,462 @@
+"""``python -m pipeline export CHECKPOINT --out DIR [--push-to-hub OWNER/NAME]``.
+
+Writes a standard sentence-transformers folder that ``SentenceTransformer(DIR)`` and
+``transformers.AutoModel.from_pretrained(DIR)`` load without our code::
+
+    DIR/config.json, model.safetensors, tokenizer.json, tokenizer_config.json   the transformer
+    DIR/modules.json                  Transformer -> [WeightedLayerPooling] -> Pooling -> Normalize
+    DIR/sentence_bert_config.json     max_seq_length
+    DIR/config_sentence_transformers.json
+    DIR/1_Pooling/config.json         cls or mean pooling
+    DIR/N_Normalize/                  L2 normalisation (cosine = dot product)
+    DIR/README.md                     model card: YAML metadata, training recipe, evaluation table
+
+``first_last_avg`` (mean of the first and last layer's mean-pooled states) is exact in stock modules:
+a ``WeightedLayerPooling`` over layers 1..L with weights (1, 0, ..., 0, 1) averages the two layers per
+token, and mean pooling is linear, so mean-then-average equals average-then-mean.
+The module files use the long-standing ``sentence_transformers.models.*`` names and
+``pooling_mode_*`` keys, which every sentence-transformers release from 2.x to 6.x reads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from pipeline.config import option
+from pipeline.errors import ConfigError, InputError
+
+log = logging.getLogger(__name__)
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+VERIFY_SENTENCES = [
+    "今天天气很好。",
+    "花呗怎么还款",
+    "一个男人在弹吉他，旁边有一只狗在睡觉。",
+    "hello world 123",
+    "好",
+]
+
+
+@dataclass
+class Config:
+    checkpoint: str = option(
+        "", "CHECKPOINT: our checkpoint, run dir, model folder or DeepSpeed ZeRO checkpoint folder."
+    )
+    out: Path | None = option(None, "Output folder for the sentence-transformers model (required).")
+    overwrite: bool = option(False, "Replace --out if it already holds an export (or is empty).")
+    push_to_hub: str | None = option(
+        None, "Also upload to this Hub repo (OWNER/NAME); token from HF_TOKEN or login."
+    )
+    private: bool = option(False, "Create the Hub repo as private.")
+    eval_json: Path | None = option(
+        None, "eval.json for the model card's table (default: the checkpoint's or run's eval/eval.json)."
+    )
+    license: str = option("apache-2.0", "License named in the model card metadata.")
+    select: Literal["latest", "best"] = option("latest", "For a run directory: which checkpoint to export.")
+    skeleton: Path | None = option(
+        None,
+        "DeepSpeed checkpoint: model folder with config/tokenizer/encoder.json (default: found beside it).",
+    )
+    verify: bool = option(True, "Reload the written folder with transformers and compare embeddings (1e-5).")
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint:
+            raise ConfigError("name the CHECKPOINT to export (a checkpoint, run dir or model folder)")
+        if self.out is None:
+            raise ConfigError("--out DIR is required: the folder to write the sentence-transformers model to")
+        if self.push_to_hub is not None:
+            check_repo_id(self.push_to_hub)
+
+
+def check_repo_id(repo_id: str) -> None:
+    """OWNER/NAME with letters, digits, '-', '_', '.'; raises ConfigError saying what is wrong."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not REPO_ID.match(repo_id):
+        raise ConfigError(
+            f"--push-to-hub {repo_id!r} is not a Hub repo id; "
+            "write OWNER/NAME using letters, digits, '-', '_', '.'"
+        )
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise ConfigError(
+            f"--push-to-hub {repo_id!r} is not a valid repo id: {str(exc).splitlines()[0]}"
+        ) from None
+
+
+# ------------------------------------------------------------------------------------ the folder
+def module_list(pooling: str, dim: int, num_layers: int) -> tuple[list[dict[str, Any]], dict[str, dict]]:
+    """modules.json entries and the config of each module folder for our pooling rule."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
+    configs: dict[str, dict[str, Any]] = {}
+    if pooling == "first_last_avg":
+        modules.append(
+            {
+                "idx": 1,
+                "name": "1",
+                "path": "1_WeightedLayerPooling",
+                "type": "sentence_transformers.models.WeightedLayerPooling",
+            }
+        )
+        configs["1_WeightedLayerPooling"] = {
+            "word_embedding_dimension": dim,
+            "layer_start": 1,
+            "num_hidden_layers": num_layers,
+        }
+    pooling_dir = f"{len(modules)}_Pooling"
+    modules.append(
+        {
+            "idx": len(modules),
+            "name": str(len(modules)),
+            "path": pooling_dir,
+            "type": "sentence_transformers.models.Pooling",
+        }
+    )
+    configs[pooling_dir] = {
+        "word_embedding_dimension": dim,
+        "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_mean_tokens": pooling in ("mean", "first_last_avg"),
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+        "pooling_mode_weightedmean_tokens": False,
+        "pooling_mode_lasttoken": False,
+        "include_prompt": True,
+    }
+    normalize_dir = f"{len(modules)}_Normalize"
+    modules.append(
+        {
+            "idx": len(modules),
+            "name": str(len(modules)),
+            "path": normalize_dir,
+            "type": "sentence_transformers.models.Normalize",
+        }
+    )
+    configs[normalize_dir] = {}
+    return modules, configs
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write_sentence_transformers_folder(encoder: Any, out: Path) -> None:
+    """The transformer files plus the module files; ``out`` must not exist yet or be empty."""
+    import torch
+    from safetensors.torch import save_file
+
+    import pipeline
+
+    backbone, tokenizer = encoder.backbone, encoder.tokenizer
+    num_layers = int(backbone.config.num_hidden_layers)
+    config_flag = backbone.config.output_hidden_states
+    tokenizer_max = tokenizer.model_max_length
+    # WeightedLayerPooling reads all layers only if the saved config asks the model to return them;
+    # the tokenizer's model_max_length is the truncation length sentence-transformers applies.
+    backbone.config.output_hidden_states = encoder.pooling == "first_last_avg"
+    tokenizer.model_max_length = encoder.max_length
+    try:
+        backbone.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+    finally:
+        backbone.config.output_hidden_states = config_flag
+        tokenizer.model_max_length = tokenizer_max
+    _add_identity_pooler(backbone, out)
+    modules, configs = module_list(encoder.pooling, encoder.dim, num_layers)
+    _write_json(out / "modules.json", modules)
+    for folder, config in configs.items():
+        _write_json(out / folder / "config.json", config)
+    if encoder.pooling == "first_last_avg":
+        weights = torch.zeros(num_layers)  # one weight per layer 1..L: keep the first and the last
+        weights[0] = weights[-1] = 1.0
+        save_file({"layer_weights": weights}, str(out / "1_WeightedLayerPooling" / "model.safetensors"))
+    _write_json(
+        out / "sentence_bert_config.json", {"max_seq_length": encoder.max_length, "do_lower_case": False}
+    )
+    _write_json(
+        out / "config_sentence_transformers.json",
+        {
+            "__version__": {"sentence_pretrain": pipeline.__version__, "pytorch": torch.__version__},
+            "prompts": {},
+            "default_prompt_name": None,
+            "similarity_fn_name": "cosine",
+        },
+    )
+
+
+def _add_identity_pooler(backbone: Any, out: Path) -> None:
+    """Give a pooler-less BERT an identity pooler so that loaders do not warn about missing weights.
+
+    Our encoder never uses BERT's pooler (it is built without one), but ``AutoModel`` and
+    sentence-transformers build ``BertModel`` with a pooler and would report it as randomly
+    initialised on every load. With W = I and b = 0, ``pooler_output`` is tanh of the [CLS] state:
+    deterministic and documented in the model card rather than random.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights_file = out / "model.safetensors"
+    if (
+        getattr(backbone.config, "model_type", None) != "bert"
+        or getattr(backbone, "pooler", None) is not None
+    ):
+        return
+    if not weights_file.is_file():  # sharded weights: leave them as transformers wrote them
+        log.info("weights are sharded; the exported BERT keeps no pooler (loaders will report it missing)")
+        return
+    tensors = load_file(str(weights_file))
+    hidden = int(backbone.config.hidden_size)
+    tensors["pooler.dense.weight"] = torch.eye(
+        hidden, dtype=tensors["embeddings.word_embeddings.weight"].dtype
+    )
+    tensors["pooler.dense.bias"] = torch.zeros(hidden, dtype=tensors["pooler.dense.weight"].dtype)
+    save_file(tensors, str(weights_file), metadata={"format": "pt"})
+
+
+def verify_folder(encoder: Any, out: Path, atol: float = 1e-5) -> float:
+    """Reload ``out`` with plain transformers, pool as the modules say, compare with ``encoder``."""
+    import numpy as np
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from pipeline.model.encoder import pool
+
+    model = AutoModel.from_pretrained(str(out)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    batch = tokenizer(VERIFY_SENTENCES, padding=True, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        states = model(**batch, output_hidden_states=True).hidden_states
+        loaded = torch.nn.functional.normalize(pool(states, batch["attention_mask"], encoder.pooling), dim=-1)
+    ours = encoder.encode(VERIFY_SENTENCES)
+    error = float(np.abs(loaded.numpy() - ours).max())
+    if error > atol:
+        raise InputError(
+            f"exported folder {out} does not reproduce the encoder (max |diff| {error:.2e} > {atol})"
+        )
+    return error
+
+
+# ------------------------------------------------------------------------------------ model card
+def find_config_yaml(resolved: Any) -> dict[str, Any]:
+    candidates = []
+    for folder in (resolved.checkpoint_dir, resolved.run_dir):
+        if folder is not None:
+            candidates.append(Path(folder) / "config.yaml")
+    if resolved.kind == "deepspeed":
+        zero = Path(resolved.model_dir)
+        candidates += [
+            zero / "config.yaml",
+            zero.parent / "config.yaml",
+            Path(resolved.skeleton_dir).parent / "config.yaml",
+        ]
+    for path in candidates:
+        if path.is_file():
+            try:
+                data = yaml.safe_load(path.read_text(encoding="utf-8"))
+            except yaml.YAMLError as exc:
+                log.warning("ignoring unreadable %s in the model card: %s", path, str(exc).splitlines()[0])
+                continue
+            if isinstance(data, dict):
+                return data
+    return {}
+
+
+def find_eval_json(resolved: Any, explicit: Path | None) -> dict[str, Any] | None:
+    if explicit is not None:
+        if not explicit.is_file():
+            raise InputError(f"--eval-json {explicit} does not exist")
+        candidates = [explicit]
+    else:
+        folders = [
+            resolved.checkpoint_dir,
+            resolved.run_dir,
+            resolved.model_dir if resolved.kind != "hub" else None,
+        ]
+        candidates = [
+            Path(f) / sub for f in folders if f is not None for sub in ("eval/eval.json", "eval.json")
+        ]
+    for path in candidates:
+        if path.is_file():
+            try:
+                return json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    return None
+
+
+def _get(data: dict[str, Any], dotted: str) -> Any:
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def recipe_rows(config: dict[str, Any], checkpoint_info: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The training recipe as (what, value) rows; fields the config lacks are left out."""
+    rows = [
+        ("corpus", _get(config, "data.shards")),
+        ("objective", _get(config, "objective.name")),
+        ("temperature", _get(config, "objective.temperature")),
+        ("augmented views per sentence (k)", _get(config, "data.num_variants")),
+        ("dropout views (d)", _get(config, "data.num_dropout_views")),
+        ("negative queue size", _get(config, "objective.queue_size")),
+        ("momentum encoder", _get(config, "objective.momentum")),
+        ("global batch size", _get(config, "train.global_batch_size")),
+        ("peak learning rate", _get(config, "optim.lr")),
+        ("max steps (config)", _get(config, "train.max_steps")),
+        ("steps trained", checkpoint_info.get("step")),
+        ("samples seen", checkpoint_info.get("samples_seen")),
+    ]
+    return [(k, v) for k, v in rows if v is not None]
+
+
+def model_card(
+    encoder: Any,
+    resolved: Any,
+    config: dict[str, Any],
+    result: dict[str, Any] | None,
+    license: str,
+    repo_id: str | None,
+) -> str:
+    from pipeline.evaluate.resolve import describe
+    from pipeline.evaluate.tables import markdown_table, result_markdown
+
+    objective = _get(config, "objective.name")
+    metadata = {
+        "language": ["zh"],
+        "license": license,
+        "library_name": "sentence-transformers",
+        "pipeline_tag": "sentence-similarity",
+        "tags": ["sentence-transformers", "sentence-similarity", "feature-extraction", "chinese"]
+        + ([str(objective)] if objective else []),
+    }
+    front = yaml.safe_dump(metadata, allow_unicode=True, sort_keys=False)
+    name = repo_id or "PATH/TO/THIS/FOLDER"
+    pooling_text = {
+        "cls": "the [CLS] token's final hidden state",
+        "mean": "the mean of the final hidden states over non-padding tokens",
+        "first_last_avg": "the average of the mean-pooled first and last transformer layers",
+    }[encoder.pooling]
+    lines = [
+        f"---\n{front}---\n",
+        f"# {repo_id.split('/')[-1] if repo_id else 'Chinese sentence encoder'}\n",
+        f"A Chinese sentence encoder ({encoder.dim}-dimensional, L2-normalised embeddings; "
+        "cosine similarity = dot product). "
+        f"Sentences are truncated at {encoder.max_length} tokens and pooled with {pooling_text}.\n",
+        "## Usage\n",
+        "```python\nfrom sentence_transformers import SentenceTransformer\n\n"
+        f'model = SentenceTransformer("{name}")\n'
+        'embeddings = model.encode(["今天天气很好", "今天是个好天气"])\n'
+        "print(embeddings @ embeddings.T)\n```\n",
+        "With plain `transformers`, load `AutoModel`/`AutoTokenizer` from the same folder, pool as described "
+        "above and L2-normalise. BERT's pooler was not trained: the export holds an identity pooler "
+        "(`pooler_output` = tanh of the [CLS] state); do not use `pooler_output` as the sentence "
+        "embedding.\n",
+        "## Training recipe\n",
+    ]
+    rows = recipe_rows(config, describe(resolved))
+    if rows:
+        lines.append(markdown_table(["setting", "value"], [[k, v] for k, v in rows]) + "\n")
+    else:
+        lines.append("No training configuration was found beside the checkpoint.\n")
+    lines.append("## Evaluation\n")
+    if result:
+        lines.append(
+            "Spearman x100 between cosine similarity and the gold label on ATEC, BQ, LCQMC, PAWSX and STS-B; "
+            "avg5 is their mean. The char TF-IDF row is the floor a learned encoder must beat.\n"
+        )
+        lines.append(result_markdown(result, heading_level=3))
+    else:
+        lines.append("Not evaluated yet: run `python -m pipeline eval CHECKPOINT` and export again.\n")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ the Hub
+def hub_token() -> str:
+    """The token from HF_TOKEN or the login cache (huggingface_hub.get_token); never printed or stored."""
+    import huggingface_hub
+
+    token = huggingface_hub.get_token()
+    if not token:
+        raise InputError("no Hugging Face token: set HF_TOKEN or run `hf auth login`, then push again")
+    return token
+
+
+def push_folder(folder: Path, repo_id: str, token: str, private: bool = False) -> str:
+    """create_repo + upload_folder with ``token``; returns the commit URL."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    api = HfApi(token=token)
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=str(folder),
+            commit_message="Upload sentence encoder (pipeline export)",
+        )
+    except HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else "?"
+        raise InputError(
+            f"Hub upload to {repo_id} failed (HTTP {status}); check the repo id and the token's rights"
+        ) from None
+    except (OSError, ValueError) as exc:  # connection errors; ValueError: the Hub rejected the card's YAML
+        raise InputError(f"Hub upload to {repo_id} failed: {str(exc).splitlines()[0]}") from None
+    return str(getattr(commit, "commit_url", None) or f"https://huggingface.co/{repo_id}")
+
+
+# ------------------------------------------------------------------------------------ entry
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    if not out.exists():
+        return
+    if not overwrite:
+        raise InputError(
+            f"output folder {out} exists; pass --overwrite to replace it or choose another --out"
+        )
+    if not out.is_dir() or (any(out.iterdir()) and not (out / "modules.json").is_file()):
+        raise InputError(
+            f"--overwrite refuses to delete {out}: it is not an earlier export (no modules.json)"
+        )
+
+
+def run(cfg: Config) -> int:
+    from pipeline.evaluate import resolve
+
+    out = Path(cfg.out)
+    _prepare_out(out, cfg.overwrite)
+    token = hub_token() if cfg.push_to_hub else None  # fail before the work, not after it
+    resolved = resolve.resolve(cfg.checkpoint, cfg.select, cfg.skeleton)
+    result = find_eval_json(resolved, cfg.eval_json)
+    encoder = resolve.load_encoder(resolved)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        write_sentence_transformers_folder(encoder, tmp)
+        card = model_card(encoder, resolved, find_config_yaml(resolved), result, cfg.license, cfg.push_to_hub)
+        (tmp / "README.md").write_text(card, encoding="utf-8")
+        if cfg.verify:
+            error = verify_folder(encoder, tmp)
+            log.info("reloaded export matches the encoder (max |diff| %.1e)", error)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"wrote sentence-transformers folder {out} ({encoder.pooling} pooling, dim {encoder.dim})")
+    if cfg.push_to_hub:
+        url = push_folder(out, cfg.push_to_hub, token, cfg.private)
+        print(f"pushed {out} to {url}")
+    return 0
