@@ -209,3 +209,36 @@ def test_zero_vectors_duplicates_and_a_short_header_are_handled(tmp_path):
     assert table.column("synonyms").to_pylist()[:2] == [["丙"], ["甲"]]
     counts = vs.read_cache_metadata(tmp_path / "cache.parquet")["counts"]
     assert counts == {"read": 5, "kept": 3, "duplicate": 1, "non_cjk": 0, "zero_vector": 1}
+
+
+@pytest.mark.parametrize("options", [{"index": "flat"}, {"index": "ivf", "nlist": 40, "nprobe": 4}])
+def test_gpu_branch_with_a_stand_in_gpu_api(data, tmp_path, monkeypatch, options):
+    """No GPU here: replace faiss's GPU calls by CPU stand-ins to run the GPU code path's logic."""
+    import faiss
+
+    words, _, text, _ = data
+    cpu = build(tmp_path, text, name="cpu.parquet", **options)
+    calls = []
+
+    class ParameterSpace:
+        def set_index_parameter(self, index, name, value):
+            calls.append((name, value))
+            setattr(index, name, value)
+
+    monkeypatch.setattr(faiss, "get_num_gpus", lambda: 1, raising=False)
+    monkeypatch.setattr(faiss, "StandardGpuResources", lambda: [], raising=False)
+    monkeypatch.setattr(faiss, "GpuClonerOptions", lambda: None, raising=False)
+    monkeypatch.setattr(faiss, "GpuParameterSpace", ParameterSpace, raising=False)
+    monkeypatch.setattr(
+        faiss, "index_cpu_to_gpu", lambda res, dev, index, co: calls.append("to_gpu") or index, raising=False
+    )
+    monkeypatch.setattr(
+        faiss, "index_gpu_to_cpu", lambda index: calls.append("to_cpu") or index, raising=False
+    )
+    gpu = build(tmp_path, text, name="gpu.parquet", **options)
+    meta = vs.read_cache_metadata(tmp_path / "gpu.parquet")["search"]
+    assert meta["device"] == "gpu" and meta["gpus"] == 1
+    assert "to_gpu" in calls
+    if options["index"] == "ivf":
+        assert ("nprobe", 4) in calls and calls.count("to_gpu") == 2  # one to train, one to search
+    assert gpu.column("synonyms").equals(cpu.column("synonyms"))

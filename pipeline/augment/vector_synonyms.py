@@ -284,6 +284,10 @@ def build_index(cfg: Config, matrix: np.ndarray, saved: Path | None = None) -> t
             raise ConfigError(
                 f"faiss-gpu returns at most {GPU_MAX_K} neighbours; lower top_k or use --device cpu"
             )
+        if not index.is_trained:  # k-means on one GPU; every GPU then gets the same trained lists
+            trainer = _to_gpus(index, single=True)
+            trainer.train(_training_sample(cfg, matrix, params["train_size"]))
+            index = faiss.index_gpu_to_cpu(trainer)
         index, params["gpus"] = _to_gpus(index), faiss.get_num_gpus()
     if index.ntotal == 0:
         if not index.is_trained:
@@ -303,15 +307,14 @@ def build_index(cfg: Config, matrix: np.ndarray, saved: Path | None = None) -> t
     return index, params
 
 
-def _to_gpus(index: Any) -> Any:
+def _to_gpus(index: Any, single: bool = False) -> Any:
     """Copy a CPU index to the GPU(s); with several GPUs the database is sharded across them."""
     import faiss
 
-    if faiss.get_num_gpus() == 1:
+    if single or faiss.get_num_gpus() == 1:
         resources = faiss.StandardGpuResources()
-        options = faiss.GpuClonerOptions()
-        gpu_index = faiss.index_cpu_to_gpu(resources, 0, index, options)
-        gpu_index.resources_ref = resources  # keep the resources alive as long as the index
+        gpu_index = faiss.index_cpu_to_gpu(resources, 0, index, faiss.GpuClonerOptions())
+        faiss.add_to_referenced_objects(gpu_index, resources)  # the resources must outlive the index
         return gpu_index
     options = faiss.GpuMultipleClonerOptions()
     options.shard = True
