@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 
 from pipeline.errors import InputError
 from pipeline.preprocess.readers import SOURCES, Unit, iter_lines, line_number_base
-from pipeline.preprocess.text import cjk_count, clean_paragraphs, has_control, split_sentences
+from pipeline.preprocess.text import clean_paragraphs, filter_sentences, has_control, split_sentences
 from pipeline.shards import BASE_SCHEMA, shard_name, write_shard
 
 Progress = Callable[[int], None]
@@ -47,9 +47,9 @@ RECORD_REASONS = ("empty", "invalid_utf8", "bad_json", "missing_field", "too_lon
 SENTENCE_REASONS = ("too_short", "too_long", "low_cjk", "duplicate")
 EXAMPLES_PER_UNIT = 3  # bad records named (file:line) per unit in the log
 
-FLUSH_SENTENCES = 1 << 15  # kept sentences hashed and routed per batch (keeps Python lists short)
+FLUSH_SENTENCES = 1 << 15  # split sentences filtered, hashed and routed per batch
 BUFFER_BYTES = 32 << 20  # text held per unit before its partitions are written out
-DEDUP_BATCH_ROWS = 1 << 16  # rows per record batch in a partition file (random access by pass 3)
+DEDUP_BATCH_ROWS = 1 << 12  # rows per record batch in a partition file (random access by pass 3)
 
 _SPLIT_SCHEMA = pa.schema([pa.field("id", pa.uint64(), nullable=False), pa.field("text", pa.string())])
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd")
@@ -201,6 +201,16 @@ class _BadRecords:
             self.examples.append(message)
 
 
+def _filter_and_add(
+    candidates: list[str], filters: Filters, counts: Counter, writer: _PartitionWriter, progress: Progress
+) -> None:
+    kept, dropped = filter_sentences(candidates, filters.min_chars, filters.max_chars, filters.min_cjk_ratio)
+    counts.update(dropped)
+    if kept:
+        writer.add(kept)
+    progress(len(candidates))
+
+
 def split_unit(work: Path, index: int, unit: Unit, filters: Filters, progress: Progress) -> dict[str, Any]:
     """Pass 1 for one unit: read, clean, split, filter, route into partitions. Returns its counts."""
     arrow_path, json_path = split_paths(work, index)
@@ -209,8 +219,7 @@ def split_unit(work: Path, index: int, unit: Unit, filters: Filters, progress: P
     writer = _PartitionWriter(arrow_path, filters)
     fields = None if unit.format == "plain" else filters.fields[unit.format]
     field_list = ", ".join(fields or [])
-    min_chars, max_chars, ratio = filters.min_chars, filters.max_chars, filters.min_cjk_ratio
-    kept: list[str] = []
+    candidates: list[str] = []  # split sentences waiting for the (vectorised) length and CJK filters
     number = 0
     try:
         for number, line, _ in iter_lines(unit, filters.max_record_bytes):
@@ -243,34 +252,23 @@ def split_unit(work: Path, index: int, unit: Unit, filters: Filters, progress: P
                     continue
             if any(map(has_control, values)):
                 counts["control_chars"] += 1  # removed by normalisation; the record is kept
-            split = 0
+            before = len(candidates)
             for paragraph in clean_paragraphs(values):
-                for sentence in split_sentences(paragraph):
-                    split += 1
-                    length = len(sentence)
-                    if length < min_chars:
-                        counts["too_short"] += 1
-                    elif length > max_chars:
-                        counts["too_long"] += 1
-                    elif cjk_count(sentence) < ratio * length:
-                        counts["low_cjk"] += 1
-                    else:
-                        kept.append(sentence)
+                candidates += split_sentences(paragraph)
+            split = len(candidates) - before
             if split == 0:
                 counts["empty"] += 1
                 continue
             counts["records_with_text"] += 1
             counts["sentences_split"] += split
-            if len(kept) >= FLUSH_SENTENCES:
-                writer.add(kept)
-                progress(len(kept))
-                kept = []
+            if len(candidates) >= FLUSH_SENTENCES:
+                _filter_and_add(candidates, filters, counts, writer, progress)
+                candidates = []
     except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
         # A truncated or corrupt compressed stream: keep every record read before the damage.
         bad(number + 1, "unreadable", f"stream cannot be read further ({exc}); later records are lost")
-    if kept:
-        writer.add(kept)
-        progress(len(kept))
+    if candidates:
+        _filter_and_add(candidates, filters, counts, writer, progress)
     batches = writer.close()
     result = {
         "unit": unit.to_dict(),
