@@ -1,0 +1,77 @@
+import json
+import logging
+
+import numpy as np
+from test_eval_fixtures import build_fake_run, tiny_model  # noqa: F401 (fixture)
+
+from pipeline.cli import main
+from pipeline.evaluate.plots import label_groups, metric_series, plot_similarity, read_metrics
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_metrics_are_read_tolerantly(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    lines = [
+        {"step": 1, "samples_seen": 64, "loss": 3.0, "lr": 1e-5, "note": "warmup", "ok": True},
+        "garbage {",
+        [1, 2],
+        {"step": 2, "samples_seen": 128, "loss": 2.5, "lr": 2e-5, "batch": {"pos_cos": 0.9}},
+        {"step": 2, "eval": {"stsb_valid": 40.5, "probe": {"acc": 70}}},
+        {"loss": float("nan")},
+    ]
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n\n")
+    with caplog.at_level(logging.WARNING):
+        records, bad = read_metrics(path)
+    assert (len(records), bad) == (4, 2)
+    assert "skipped 2 malformed line(s) (first at line 2)" in caplog.text
+    train, evals = metric_series(records)
+    assert set(train) == {"loss", "lr", "batch/pos_cos"}  # strings, booleans and NaN are not series
+    assert train["loss"] == ([1, 2], [3.0, 2.5])
+    assert evals == {"stsb_valid": ([2], [40.5]), "probe/acc": ([2], [70.0])}
+
+
+def test_label_groups_and_similarity_plot(tmp_path):
+    groups = label_groups(np.array([0, 1, 1, 0]))
+    assert [t for t, _ in groups] == ["0", "1"] and groups[1][1].tolist() == [False, True, True, False]
+    continuous = label_groups(np.linspace(0, 5, 50))
+    assert [t for t, _ in continuous] == ["0", "1", "2", "3", "4", "5"]
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 2, 200)
+    png = plot_similarity(
+        {"toy": (0.5 + 0.4 * labels + 0.05 * rng.normal(size=200), labels)}, tmp_path / "s.png"
+    )
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_report_writes_plots_and_markdown(tiny_model, tmp_path):  # noqa: F811
+    run = build_fake_run(tmp_path / "run", tiny_model)
+    eval_dir = run / "checkpoints" / "step-00000020" / "eval"
+    eval_dir.mkdir()
+    result = {"sts": {"sets": ["STS-B"], "pairs": {"STS-B": 1361}, "model": {"STS-B": 12.5}}}
+    (eval_dir / "eval.json").write_text(json.dumps(result))
+    argv = ["report", str(run), "--max-pairs", "60", "--sets", "STS-B", "--sets", "BQ", "--progress", "false"]
+    assert main(argv) == 0
+    report = run / "report"
+    for name in ("training.png", "eval_curves.png", "similarity.png"):
+        data = (report / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 5000, name
+        assert f"]({name})" in (report / "report.md").read_text(encoding="utf-8")
+    md = (report / "report.md").read_text(encoding="utf-8")
+    assert "1 malformed line(s) skipped" in md
+    assert "| model | 12.50 |" in md
+    assert "```yaml\ndata:\n  shards: data/augmented" in md
+
+
+def test_report_without_metrics_or_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    assert main(["report", str(run), "--out", str(tmp_path / "r")]) == 0
+    md = (tmp_path / "r" / "report.md").read_text(encoding="utf-8")
+    assert "No `metrics.jsonl`" in md and "No similarity plot" in md and "No eval.json yet" in md
+
+
+def test_report_missing_run_is_one_line(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run directory" in err[0] and "does not exist" in err[0]
