@@ -315,3 +315,38 @@ def test_kill_9_then_rerun_equals_uninterrupted(tmp_path, kill_after, workers, c
         run(build_config(Config, [*args, f"--out={out}"], "inputs"))
     assert "already done (skipped)" in caplog.text
     assert out_bytes(out) == out_bytes(clean)
+
+
+def test_slurm_script_phases_equal_a_local_run(tmp_path):
+    write_corpus(tmp_path / "in")
+    options = ["--sentences_per_shard=50", "--rows_per_block=20"]
+    script = REPO / "launch" / "slurm" / "preprocess.sbatch"
+    out = tmp_path / "slurm"
+    env = {**os.environ, "PYTHON": sys.executable, "PIPELINE_REPO": str(REPO)}
+    for phase, tasks in [("split", 2), ("dedup", 2), ("shards", 2), ("finalize", 1)]:
+        for task in range(tasks):
+            task_env = {**env, "SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_COUNT": str(tasks)}
+            cmd = ["bash", str(script), phase, str(out), str(tmp_path / "in"), *options]
+            subprocess.run(cmd, env=task_env, check=True, capture_output=True)
+    run(cfg_for([tmp_path / "in"], tmp_path / "local"))
+    assert out_bytes(out) == out_bytes(tmp_path / "local")
+
+
+def test_bom_lone_surrogates_and_unicode_line_breaks(tmp_path):
+    records = [
+        {"english": "a", "chinese": "第一句有字节顺序标记，应该保留。"},
+        {"english": "b", "chinese": "孤立的代理\ud800字符会被删除。"},
+        {"english": "c", "chinese": "段落分隔符\u2028后面是新的一段话"},
+    ]
+    path = tmp_path / "trans.json"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in records).encode())
+    run(cfg_for([path], tmp_path / "out"))
+    texts = {r["text"] for r in read_rows(tmp_path / "out")}
+    assert texts == {
+        "第一句有字节顺序标记，应该保留。",
+        "孤立的代理字符会被删除。",
+        "段落分隔符",
+        "后面是新的一段话",
+    }
+    counts = check_counts(read_manifest(tmp_path / "out"))
+    assert counts["control_chars"] == 1 and counts["dropped"]["bad_json"] == 0

@@ -232,6 +232,8 @@ def split_unit(work: Path, index: int, unit: Unit, filters: Filters, progress: P
             except UnicodeDecodeError as exc:
                 bad(number, "invalid_utf8", f"{exc.reason} at byte {exc.start}")
                 continue
+            if text.startswith("\ufeff"):  # a byte-order mark (first line of some Windows-made files)
+                text = text[1:]
             if not text.strip():
                 counts["empty"] += 1  # blank lines are normal between paragraphs: counted, not reported
                 continue

@@ -227,7 +227,10 @@ def _load_or_make_plan(cfg: Config, files: list[Path]) -> Plan:
             )
         units = [Unit.from_dict(u) for u in saved["units"]]
         log.info(
-            "resuming the run in %s (%d units, %d partitions)", cfg.work, len(units), saved["num_partitions"]
+            "continuing the run in %s (%d units, %d partitions)",
+            cfg.work,
+            len(units),
+            saved["num_partitions"],
         )
         return Plan(units, saved["num_partitions"])
     units, text_bytes = plan_units(files, cfg.input_format, cfg.chunk_bytes, cfg.max_record_bytes)
