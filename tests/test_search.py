@@ -368,6 +368,18 @@ def test_missing_index_file_is_one_line(flat_index, tmp_path, capsys):
     assert "corpus.parquet fails its sha256 check" in one_line_error(capsys)
 
 
+def test_missing_model_is_one_line(tiny_model, sentences, tmp_path, capsys):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    assert main(["index", str(model), "--input", str(sentences), "--out", str(tmp_path / "idx")]) == 0
+    shutil.rmtree(model)
+    assert main(["search", str(tmp_path / "idx"), "北京"]) == 2
+    assert "no longer exists; pass --model" in one_line_error(capsys)
+    assert main(["search", str(tmp_path / "idx"), "北京", "--model", str(tiny_model)]) == 0
+
+
 def test_wrong_index_dir_is_one_line(tiny_model, tmp_path, capsys):
     assert main(["search", str(tiny_model), "北京"]) == 2
     assert "is not a search index" in one_line_error(capsys)

@@ -140,26 +140,28 @@ def write_corpus(path: Path, corpus: Corpus) -> None:
     fsync_dir(path.parent)
 
 
-def prepare_out(out: Path, overwrite: bool) -> None:
+def check_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file; pass a directory for the index")
-    if (out / layout.MANIFEST).is_file():
-        if not overwrite:
-            raise InputError(
-                f"{out} already holds a finished index; pass --overwrite or choose another --out"
-            )
-        (out / layout.MANIFEST).unlink()  # first, so that a crash below never leaves a stale, valid index
-        for name in (layout.INDEX_FILE, layout.CORPUS_FILE, layout.REDUCTION_FILE, layout.ENCODER_COPY):
-            (out / name).unlink(missing_ok=True)
+    if (out / layout.MANIFEST).is_file() and not overwrite:
+        raise InputError(f"{out} already holds a finished index; pass --overwrite or choose another --out")
+
+
+def clear_out(out: Path) -> None:
+    """Remove a finished index's files, the manifest first: a crash then never leaves a stale, valid index."""
+    (out / layout.MANIFEST).unlink(missing_ok=True)
+    for name in (layout.INDEX_FILE, layout.CORPUS_FILE, layout.REDUCTION_FILE, layout.ENCODER_COPY):
+        (out / name).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
 
 
 def run(cfg: Config) -> int:
     started = time.time()
     out = Path(cfg.out)
-    prepare_out(out, cfg.overwrite)
-    encoder, resolved = load_encoder(cfg.model, cfg.max_length, cfg.device)
+    check_out(out, cfg.overwrite)
     corpus = read_corpus(cfg.input, dedup=cfg.dedup)
+    encoder, resolved = load_encoder(cfg.model, cfg.max_length, cfg.device)
+    clear_out(out)  # only now that the input and the model are known to be good
     n, dim = len(corpus.texts), encoder.dim
     model_dir = resolved.skeleton_dir or resolved.model_dir  # where encoder.json lives
     model_info = {
