@@ -405,14 +405,15 @@ def run(cfg: Config) -> int:
 
     vectors = read_vectors(cfg)
     fingerprint = _fingerprint(cfg, vectors)
+    parts = cfg.out.with_name(cfg.out.name + ".parts")
     if cfg.out.is_file():
         if {k: v for k, v in read_cache_metadata(cfg.out).items() if k in fingerprint} == fingerprint:
             log.info("%s is already built from these vectors and parameters; nothing to do", cfg.out)
+            shutil.rmtree(parts, ignore_errors=True)  # left if a run was stopped right after the merge
             return 0
         raise InputError(
             f"{cfg.out} exists from other vectors or parameters; delete it or pick another --out"
         )
-    parts = cfg.out.with_name(cfg.out.name + ".parts")
     parts.mkdir(parents=True, exist_ok=True)
     meta_file = parts / "build.json"
     if meta_file.is_file() and json.loads(meta_file.read_text(encoding="utf-8")) != fingerprint:
