@@ -3,6 +3,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -290,7 +291,9 @@ def test_export_from_a_deepspeed_zero2_checkpoint(tiny_model, tmp_path):  # noqa
             "TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve())
         ),
     )
-    port = str(29500 + os.getpid() % 400)
+    with socket.socket() as probe:  # a free port for the one-process gloo group
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
     subprocess.run(
         [sys.executable, str(script), str(tiny_model), str(tmp_path), port], check=True, env=env, timeout=600
     )
