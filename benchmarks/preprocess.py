@@ -137,7 +137,9 @@ class PeakRSS:
         return self.peak
 
 
-def preprocess(corpus: Path, out: Path, workers: int) -> tuple[dict[str, float], dict[str, float], int]:
+def preprocess(
+    corpus: Path, out: Path, workers: int, options: list[str]
+) -> tuple[dict[str, float], dict[str, float], int]:
     """Run the four phases one after another: wall seconds and CPU seconds per phase, peak RSS."""
     wall, cpu, peak = {}, {}, 0
     base = [
@@ -149,6 +151,7 @@ def preprocess(corpus: Path, out: Path, workers: int) -> tuple[dict[str, float],
         f"--out={out}",
         f"--workers={workers}",
     ]
+    base += options
     shutil.rmtree(out, ignore_errors=True)
     for phase in PHASES:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -179,6 +182,11 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=5_000_000, help="corpus size for throughput")
     parser.add_argument("--rss-sizes", default="1000000,4000000", help="two corpus sizes for the RSS ratio")
     parser.add_argument("--workers", default="1,2", help="worker counts to time")
+    parser.add_argument(
+        "--options",
+        default="--sentences_per_shard=100000 --rows_per_block=4000",
+        help="extra preprocess options (default: the shard sizes docs/preprocess.md suggests at scale)",
+    )
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temporary one)")
     args = parser.parse_args()
     scratch = args.dir or Path(tempfile.mkdtemp(prefix="bench-preprocess-"))
@@ -192,6 +200,7 @@ def main() -> None:
 
 def run(args: argparse.Namespace, scratch: Path) -> None:
     print(f"python {sys.version.split()[0]}, {psutil.cpu_count()} CPUs, scratch {scratch}")
+    print(f"preprocess options: {args.options}")
     started = time.perf_counter()
     corpus = scratch / "corpus"
     n = make_corpus(corpus, args.sentences)
@@ -203,7 +212,7 @@ def run(args: argparse.Namespace, scratch: Path) -> None:
     rates = {}
     for workers in [int(w) for w in args.workers.split(",")]:
         out = scratch / f"out-w{workers}"
-        wall, cpu, peak = preprocess(corpus, out, workers)
+        wall, cpu, peak = preprocess(corpus, out, workers, args.options.split())
         counts = read_manifest(out)["counts"]
         split = counts["sentences_split"]
         total = sum(wall.values())
@@ -234,7 +243,7 @@ def run(args: argparse.Namespace, scratch: Path) -> None:
     for target in [int(s) for s in args.rss_sizes.split(",")]:
         shutil.rmtree(corpus, ignore_errors=True)
         n = make_corpus(corpus, target)
-        _, _, peak = preprocess(corpus, scratch / "out-rss", 1)
+        _, _, peak = preprocess(corpus, scratch / "out-rss", 1, args.options.split())
         peaks.append(peak)
         print(f"peak RSS at ~{n:,} sentences (workers=1): {peak / 2**20:.0f} MiB")
     if len(peaks) == 2:

@@ -73,7 +73,8 @@ def expand_inputs(patterns: list[str | Path]) -> list[Path]:
         if path.is_file():
             matches = [path]
         elif path.is_dir():
-            matches = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+            # Hidden files and directories are skipped (among them our own OUT/.work if OUT is inside).
+            matches = sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path)))
         else:
             matches = sorted(Path(m) for m in glob.glob(text, recursive=True) if Path(m).is_file())
         if not matches:
@@ -87,6 +88,10 @@ def expand_inputs(patterns: list[str | Path]) -> list[Path]:
                 seen.add(key)
                 found.append(match)
     return found
+
+
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith(".") for part in relative.parts)
 
 
 def compression_of(path: Path) -> str:

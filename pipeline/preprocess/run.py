@@ -342,6 +342,11 @@ def _finalize(cfg: Config, plan: Plan, elapsed: float) -> None:
     for stale in cfg.out.glob(".shard-*.tar.tmp-*"):
         stale.unlink(missing_ok=True)
     dropped = ", ".join(f"{k} {v:,}" for k, v in counts["dropped"].items() if v) or "none"
+    if counts["kept"] == 0:
+        log.warning(
+            "no sentence was kept: check --input_format/--text_fields and the filters (min_chars, "
+            "max_chars, min_cjk_ratio) against the dropped counts below"
+        )
     log.info(
         "preprocess done: kept %s of %s sentences from %s records; dropped: %s; %d shards, %.1f MB; "
         "%.1fs -> %s",
@@ -431,11 +436,6 @@ class _Executor:
         self.pool: Any = None
 
     def __enter__(self) -> _Executor:
-        if self.workers > 1:
-            # spawn, not fork: forking a process that holds pyarrow/tqdm threads can deadlock.
-            ctx = mp.get_context("spawn")
-            self.counter = ctx.Value("q", 0)
-            self.pool = ctx.Pool(self.workers, initializer=_init_worker, initargs=(self.counter,))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -443,13 +443,22 @@ class _Executor:
             self.pool.terminate() if exc[0] else self.pool.close()
             self.pool.join()
 
+    def _start_pool(self) -> None:
+        # spawn, not fork: forking a process that holds pyarrow/tqdm threads can deadlock. Started
+        # on first use, so a phase with nothing (or one thing) to do pays no process start-up.
+        ctx = mp.get_context("spawn")
+        self.counter = ctx.Value("q", 0)
+        self.pool = ctx.Pool(self.workers, initializer=_init_worker, initargs=(self.counter,))
+
     def run(
         self, jobs: list[tuple[Callable[..., Any], tuple]], progress: Callable[[int], Any]
     ) -> Iterator[Any]:
-        if self.pool is None:
+        if self.pool is None and (self.workers == 1 or len(jobs) <= 1):
             for fn, args in jobs:
                 yield fn(*args, progress=progress)
             return
+        if self.pool is None:
+            self._start_pool()
         pending = [self.pool.apply_async(_call, job) for job in jobs]
         seen = self.counter.value
         while pending:
