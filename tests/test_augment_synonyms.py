@@ -217,7 +217,7 @@ def test_gpu_branch_with_a_stand_in_gpu_api(data, tmp_path, monkeypatch, options
     import faiss
 
     words, _, text, _ = data
-    cpu = build(tmp_path, text, name="cpu.parquet", **options)
+    cpu = build(tmp_path, text, name="cpu.parquet", **options) if options["index"] == "flat" else None
     calls = []
 
     class ParameterSpace:
@@ -241,4 +241,7 @@ def test_gpu_branch_with_a_stand_in_gpu_api(data, tmp_path, monkeypatch, options
     assert "to_gpu" in calls
     if options["index"] == "ivf":
         assert ("nprobe", 4) in calls and calls.count("to_gpu") == 2  # one to train, one to search
-    assert gpu.column("synonyms").equals(cpu.column("synonyms"))
+    if options["index"] == "flat":
+        assert gpu.column("synonyms").equals(cpu.column("synonyms"))
+    else:  # k-means ran again: hold the GPU path to the same recall bound as the CPU one
+        assert recall(gpu, words, brute_force(data[1], TOP_K, THRESHOLD)[0])[0] >= 0.95
