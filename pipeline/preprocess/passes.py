@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import zipfile
 import zlib
 from collections import Counter
@@ -87,7 +88,8 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def _tmp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # pid alone is not unique across the nodes of a cluster (containers reuse small pids)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
 
 def write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -234,7 +236,7 @@ def split_unit(work: Path, index: int, unit: Unit, filters: Filters, progress: P
                 continue
             if text.startswith("\ufeff"):  # a byte-order mark (first line of some Windows-made files)
                 text = text[1:]
-            if not text.strip():
+            if not text or text.isspace():
                 counts["empty"] += 1  # blank lines are normal between paragraphs: counted, not reported
                 continue
             if fields is None:

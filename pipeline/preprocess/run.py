@@ -245,9 +245,10 @@ def _load_or_make_plan(cfg: Config, files: list[Path]) -> Plan:
         ", ".join(f"{n} {f}" for f, n in sorted(formats.items())),
         num_partitions,
     )
-    # Array tasks may write this at the same time: the content is identical, the write atomic.
+    # Array tasks may write this at the same time, from several nodes: the content is identical and
+    # each writes its own uniquely named temporary file before the rename.
     plan = {"config": output_config(cfg), "files": stamp, "units": [u.to_dict() for u in units]}
-    atomic_write_json(path, {**plan, "num_partitions": num_partitions})
+    passes.write_json(path, {**plan, "num_partitions": num_partitions})
     return Plan(units, num_partitions)
 
 
