@@ -181,6 +181,14 @@ class _PartitionWriter:
         os.replace(self.tmp, self.path)
         return {str(p): b for p, b in sorted(self.batches.items())}
 
+    def abort(self) -> None:
+        """Drop the temporary file (an error, or --strict, stopped the unit)."""
+        try:
+            self.writer.close()
+            self.sink.close()
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
 
 class _BadRecords:
     """Counts bad records by reason; names the first few (``file:line``); ``strict`` makes one fatal."""
@@ -219,6 +227,32 @@ def split_unit(work: Path, index: int, unit: Unit, filters: Filters, progress: P
     counts: Counter = Counter()
     bad = _BadRecords(unit, counts, filters.strict)
     writer = _PartitionWriter(arrow_path, filters)
+    try:
+        _read_unit(unit, filters, counts, bad, writer, progress)
+        batches = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    result = {
+        "unit": unit.to_dict(),
+        "source": SOURCES.index(unit.format),
+        "counts": dict(sorted(counts.items())),
+        "batches": batches,
+        "examples": bad.examples,
+        "bytes": arrow_path.stat().st_size,
+    }
+    write_json(json_path, result)
+    return result
+
+
+def _read_unit(
+    unit: Unit,
+    filters: Filters,
+    counts: Counter,
+    bad: _BadRecords,
+    writer: _PartitionWriter,
+    progress: Progress,
+) -> None:
     fields = None if unit.format == "plain" else filters.fields[unit.format]
     field_list = ", ".join(fields or [])
     candidates: list[str] = []  # split sentences waiting for the (vectorised) length and CJK filters
@@ -273,17 +307,6 @@ def split_unit(work: Path, index: int, unit: Unit, filters: Filters, progress: P
         bad(number + 1, "unreadable", f"stream cannot be read further ({exc}); later records are lost")
     if candidates:
         _filter_and_add(candidates, filters, counts, writer, progress)
-    batches = writer.close()
-    result = {
-        "unit": unit.to_dict(),
-        "source": SOURCES.index("plain" if fields is None else unit.format),
-        "counts": dict(sorted(counts.items())),
-        "batches": batches,
-        "examples": bad.examples,
-        "bytes": arrow_path.stat().st_size,
-    }
-    write_json(json_path, result)
-    return result
 
 
 # --------------------------------------------------------------------------------------------- pass 2

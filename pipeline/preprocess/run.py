@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import pyarrow as pa
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError, InputError
@@ -139,7 +140,8 @@ def run(cfg: Config) -> int:
         return 0
     plan = _load_or_make_plan(cfg, files)
     phases = ["split", "dedup", "shards", "finalize"] if cfg.phase == "all" else [cfg.phase]
-    with _Executor(cfg.workers) as executor:
+    # logging_redirect_tqdm: log lines (bad records) print above the progress bar, not into it
+    with logging_redirect_tqdm(), _Executor(cfg.workers) as executor:
         for phase in phases:
             if phase == "split":
                 _split_phase(cfg, plan, executor)
