@@ -140,6 +140,7 @@ def _torchrun(tmp_path, shards, *extra, steps=16):
 def test_two_process_ddp_run_keeps_ranks_identical(tmp_path, shards):
     dumps, losses = _torchrun(tmp_path, shards, steps=16)
     assert [d["world_size"] for d in dumps] == [2, 2]
+    assert [d["distributed_type"] for d in dumps] == ["MULTI_CPU", "MULTI_CPU"]
     assert dumps[0]["param_checksum"] == dumps[1]["param_checksum"]
     assert dumps[0]["queue_checksum"] == dumps[1]["queue_checksum"] and dumps[0]["queue_fill"] == 32
     assert dumps[0]["cursor"] == dumps[1]["cursor"] and dumps[0]["samples_seen"] == 16 * 16

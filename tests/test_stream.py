@@ -99,3 +99,14 @@ def test_locate_matches_a_direct_permutation():
 def test_missing_shards_dir_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="is not a directory"):
         index_shards(tmp_path / "nope")
+
+
+def test_iterating_leaves_the_global_rng_alone(shards):
+    """A resume creates a loader mid-run; drawing its seed from the global RNG would shift dropout."""
+    import torch
+
+    d, _ = shards
+    before = torch.get_rng_state()
+    for _ in streams(d, 1, 0)[0].epoch_batches():
+        pass
+    assert torch.equal(before, torch.get_rng_state())

@@ -172,3 +172,27 @@ def test_supervised_objectives_train(tmp_path, objective):
     steps = [r for r in read_metrics(cfg.run_dir) if "loss" in r]
     assert len(steps) == 4 and all(math.isfinite(r["loss"]) for r in steps)
     assert steps[-1]["samples_seen"] == 64
+
+
+def test_resume_continues_exactly(tmp_path, shards):
+    """3 steps, stop, resume to 6 == 6 steps uninterrupted (queue, momentum encoder, cursor, RNG)."""
+    from accelerate.state import AcceleratorState
+
+    from pipeline.train.run import run
+
+    common = {"objective.momentum": 0.9, "train.debug_dump": True, "train.eval_max_pairs": 16}
+
+    def go(run_dir, steps):
+        AcceleratorState._reset_state(True)
+        cfg = debug_cfg(tmp_path, shards, **{**common, "run_dir": str(run_dir), "train.max_steps": steps})
+        assert run(cfg) == 0
+        return json.loads((run_dir / "debug" / "rank0.json").read_text())
+
+    full = go(tmp_path / "full", 6)
+    go(tmp_path / "split", 3)
+    resumed = go(tmp_path / "split", 6)
+    assert resumed["step"] == 6 and resumed["cursor"] == full["cursor"]
+    assert resumed["queue_checksum"] == full["queue_checksum"]
+    assert resumed["param_checksum"] == full["param_checksum"]
+    losses = lambda d: [r["loss"] for r in read_metrics(d) if "loss" in r]  # noqa: E731
+    assert losses(tmp_path / "split")[-3:] == losses(tmp_path / "full")[-3:]

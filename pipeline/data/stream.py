@@ -315,7 +315,12 @@ class BatchStream:
                 self.batches_per_epoch,
             )
             extra = {"prefetch_factor": self.prefetch_factor} if self.num_workers else {}
-            loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers, **extra)
+            # A private generator: creating a DataLoader iterator draws a seed, and drawing it from the
+            # global RNG would shift every dropout mask after a resume (which creates one mid-run).
+            generator = torch.Generator().manual_seed(self.seed)
+            loader = DataLoader(
+                dataset, batch_size=None, num_workers=self.num_workers, generator=generator, **extra
+            )
             for batch in loader:
                 assert batch["batch"] == self.cursor.batches, "loader order broke the cursor"
                 self.cursor.batches += 1

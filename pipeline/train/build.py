@@ -288,37 +288,38 @@ def build_queue(cfg: Config, encoder: SentenceEncoder) -> tuple[nn.Module | None
 
 
 def build_checkpointing(cfg: Config, trainer: Trainer) -> None:
-    """The seam to checkpointing and preemption (pipeline/train/checkpoint.py, signals.py).
-
-    Resume loads into the unwrapped objects, so call this before ``prepare``.
-    """
+    """The seam to checkpointing and preemption (pipeline/train/checkpoint.py, signals.py)."""
     try:
         from pipeline.train.checkpoint import Checkpointer
     except ImportError:
         log.warning("pipeline.train.checkpoint is not available: no checkpoints, no resume")
         return
     trainer.checkpointer = Checkpointer(cfg.run_dir, keep_last=cfg.checkpoint.keep_last)
-    try:
-        from pipeline.train.signals import PreemptionHandler
+    if cfg.train.deepspeed_config:
+        trainer.checkpointer.engine = trainer.model  # ZeRO state: the engine's own checkpoint
+    from pipeline.train.signals import PreemptionHandler
 
-        trainer.preemption = PreemptionHandler()
-        if hasattr(trainer.preemption, "install"):
-            trainer.preemption.install()
-    except ImportError:
-        log.warning(
-            "pipeline.train.signals is not available: SIGTERM/SIGUSR1 end the run without a checkpoint"
-        )
-    if cfg.resume == "never":
+    trainer.preemption = PreemptionHandler().install()
+
+
+def resume(cfg: Config, trainer: Trainer) -> None:
+    """Load the newest valid checkpoint (``resume: auto``) or a given one, after ``prepare``.
+
+    After ``prepare`` because a DeepSpeed engine loads its own (ZeRO-partitioned) state; under DDP the
+    wrapped and unwrapped module share their parameters, so loading into the unwrapped one suffices.
+    """
+    if trainer.checkpointer is None or cfg.resume == "never":
         return
     path = trainer.checkpointer.latest() if cfg.resume == "auto" else Path(cfg.resume)
     if path is None:
         return
-    saved = path / "config.yaml"
-    if saved.is_file():
-        trainer.checkpointer.check_compatible(yaml.safe_load(saved.read_text(encoding="utf-8")), to_dict(cfg))
+    from pipeline.train.checkpoint import check_compatible
+
+    check_compatible(trainer.checkpointer.saved_config(path), to_dict(cfg))
     meta = trainer.checkpointer.load(path, trainer.encoder, trainer.states(), trainer.rank_states())
-    log.info("resumed from %s at step %d", path, trainer.state.step)
-    trainer.extra["resumed_from"] = str(path)
+    log.info(
+        "resumed from %s at step %d (%d samples seen)", path, trainer.state.step, trainer.state.samples_seen
+    )
     trainer.extra["resume_meta"] = meta
 
 
@@ -392,11 +393,10 @@ def build(cfg: Config) -> Trainer:
         stream.dropped_per_epoch,
         total,
     )
-    build_checkpointing(cfg, trainer)
     trainer.model, trainer.optimizer = accelerator.prepare(module, optimizer)
     trainer.schedule.optimizer = trainer.optimizer
-    if trainer.checkpointer is not None and cfg.train.deepspeed_config:
-        trainer.checkpointer.engine = trainer.model  # ZeRO state: the engine's own checkpoint
+    build_checkpointing(cfg, trainer)
+    resume(cfg, trainer)
     if accelerator.is_main_process:
         trainer.sts_valid = read_sts(EVAL_DIR / "STS-B.valid.tsv", cfg.train.eval_max_pairs)
     trainer.extra["start_time"] = time.time()

@@ -216,6 +216,7 @@ def write_debug_dump(t: Trainer) -> None:
     dump = {
         "rank": dist.rank(),
         "world_size": dist.world_size(),
+        "distributed_type": t.accelerator.distributed_type.value,
         "step": t.state.step,
         "samples_seen": t.state.samples_seen,
         "cursor": t.stream.state_dict(),
