@@ -315,31 +315,40 @@ def dedup_partition(
 ) -> dict[str, Any]:
     """Pass 2 for one partition: gather its rows from every unit, sort by key, drop exact duplicates."""
     arrow_path, json_path = dedup_paths(work, part)
-    tables = []
+    tables, sources = [], []
     for path, batch_indices, source in pieces:
         with pa.OSFile(path) as source_file:
             reader = pa.ipc.open_file(source_file)
-            batches = [reader.get_batch(i) for i in batch_indices]
-        table = pa.Table.from_batches(batches, schema=_SPLIT_SCHEMA)
-        tables.append(table.append_column("src", pa.array(np.full(table.num_rows, source, np.uint8))))
-    schema = _SPLIT_SCHEMA.append(pa.field("src", pa.uint8()))
-    table = pa.concat_tables(tables) if tables else schema.empty_table()
+            tables.append(pa.Table.from_batches([reader.get_batch(i) for i in batch_indices], _SPLIT_SCHEMA))
+        sources.append(np.full(tables[-1].num_rows, source, np.uint8))
+    # One contiguous copy up front: takes on a many-chunk array concatenate it anyway, each time.
+    table = pa.concat_tables(tables).combine_chunks() if tables else _SPLIT_SCHEMA.empty_table()
+    del tables
     rows_in = table.num_rows
+    src = np.concatenate(sources) if sources else np.zeros(0, np.uint8)
     keys = shuffle_keys(table["id"].to_numpy(), seed)
-    table = table.append_column("key", pa.array(keys, pa.uint64()))
     # (key, text, source): a total order on distinct rows, so the result does not depend on which
     # unit a row came from; equal texts have equal keys and end up adjacent, the first source wins.
+    sortable = pa.table({"key": keys, "text": table["text"], "src": src})
     order = pc.sort_indices(
-        table, sort_keys=[("key", "ascending"), ("text", "ascending"), ("src", "ascending")]
-    )
-    table = table.take(order).combine_chunks()
-    text = table["text"].chunk(0) if table.num_rows else pa.array([], pa.string())
+        sortable, sort_keys=[("key", "ascending"), ("text", "ascending"), ("src", "ascending")]
+    ).to_numpy()
+    del sortable
+    # A row is a duplicate when its text equals the previous row's. Only rows whose key equals the
+    # previous key can be (keys are 64-bit), so only those texts are compared: memory stays at the
+    # partition plus its output instead of one more sorted copy of all the text.
+    sorted_keys = keys[order]
+    same_key = np.flatnonzero(sorted_keys[1:] == sorted_keys[:-1]) + 1
     keep = np.ones(rows_in, dtype=bool)
-    if rows_in > 1:
-        keep[1:] = pc.not_equal(text.slice(1), text.slice(0, rows_in - 1)).to_numpy(zero_copy_only=False)
-    table = table.filter(pa.array(keep))
-    source_names = pc.take(pa.array(SOURCES, pa.string()), table["src"])
-    out = pa.Table.from_arrays([table["id"], table["text"], source_names], schema=BASE_SCHEMA)
+    if len(same_key):
+        text = table["text"]
+        equal = pc.equal(text.take(order[same_key]), text.take(order[same_key - 1]))
+        keep[same_key[equal.to_numpy(zero_copy_only=False)]] = False
+    final = order[keep]
+    source_names = pc.take(pa.array(SOURCES, pa.string()), pa.array(src[final]))
+    kept = table.take(final)
+    del table
+    out = pa.Table.from_arrays([kept["id"], kept["text"], source_names], schema=BASE_SCHEMA)
     tmp = _tmp(arrow_path)
     with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, BASE_SCHEMA, options=_IPC_OPTIONS) as w:
         w.write_table(out, max_chunksize=DEDUP_BATCH_ROWS)

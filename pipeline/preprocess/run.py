@@ -46,7 +46,7 @@ InputFormat = Literal[
 # any --workers/--num-tasks) and free to change when a stopped run is resumed.
 EXECUTION_KEYS = ("out", "work_dir", "workers", "task_index", "num_tasks", "phase", "overwrite", "strict")
 WORK_DIR_NAME = ".work"
-PARTITION_TARGET_BYTES = 32 << 20  # auto num_partitions: about this much input per partition
+PARTITION_TARGET_BYTES = 16 << 20  # auto num_partitions: about this much input per partition
 
 
 @dataclass
@@ -86,7 +86,7 @@ class Config:
     min_cjk_ratio: float = option(0.5, "Drop sentences with a smaller share of CJK ideographs (0-1).")
     max_record_bytes: int = option(4 << 20, "Longer input lines are dropped and counted (too_long_record).")
     chunk_bytes: int = option(4 << 20, "Uncompressed files are split into units of this many bytes.")
-    num_partitions: int = option(0, "Hash partitions for dedup (0 = about one per 32 MB of input).")
+    num_partitions: int = option(0, "Hash partitions for dedup (0 = about one per 16 MB of input).")
     sentences_per_shard: int = option(4000, "Sentences per output shard (the last one may hold fewer).")
     rows_per_block: int = option(1000, "Sentences per block (tar member) inside a shard.")
     seed: int = option(0, "Seed of the global shuffle.")
