@@ -1,16 +1,20 @@
 import json
 
+import numpy as np
 import pytest
 
 from pipeline.errors import InputError
+from pipeline.preprocess.passes import partition_of, shuffle_keys, text_ids
 from pipeline.preprocess.readers import Unit, detect_format, iter_lines, line_number_base, plan_units
 from pipeline.preprocess.text import (
     cjk_count,
     clean_paragraphs,
+    filter_sentences,
     normalise,
     remove_whitespace,
     split_sentences,
 )
+from pipeline.shards import sentence_id
 
 
 def test_normalise_full_width_letters_digits_but_not_chinese_punctuation():
@@ -92,3 +96,30 @@ def test_over_long_line_is_flagged_not_loaded(tmp_path):
     unit = Unit(str(path), None, "none", 0, -1, "plain")
     got = [(n, line) for n, line, _ in iter_lines(unit, max_record_bytes=1024)]
     assert got == [(1, b"ok\n"), (2, None), (3, b"after\n")]
+
+
+def test_filter_sentences_counts_each_drop_once():
+    sentences = [
+        "短句。",
+        "这是一个足够长的中文句子。",
+        "English only sentence here.",
+        "长" * 31,
+        "𠀀𠀁𠀂𠀃𠀄ab",
+    ]
+    kept, dropped = filter_sentences(sentences, min_chars=5, max_chars=30, min_cjk_ratio=0.5)
+    assert kept == ["这是一个足够长的中文句子。", "𠀀𠀁𠀂𠀃𠀄ab"]  # astral ideographs are one character each
+    assert dropped == {"too_short": 1, "too_long": 1, "low_cjk": 1}
+    assert [cjk_count(s) for s in kept] == [12, 5]
+
+
+def test_shuffle_keys_are_a_bijection_and_partitions_are_key_ranges():
+    ids = np.arange(10_000, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    keys = shuffle_keys(ids, seed=3)
+    assert len(np.unique(keys)) == len(ids)
+    assert not np.array_equal(keys, shuffle_keys(ids, seed=4))
+    order = np.argsort(keys)
+    parts = partition_of(keys[order], 7)
+    assert parts.min() == 0 and parts.max() == 6 and np.all(np.diff(parts.astype(np.int64)) >= 0)
+    assert np.array_equal(
+        text_ids(["你好", "世界"]), np.array([sentence_id("你好"), sentence_id("世界")], np.uint64)
+    )
