@@ -20,6 +20,8 @@ set -euo pipefail
 STATE=${SLURM_LOCAL_DIR:-/tmp/slurm-local}
 CONF=$STATE/etc/slurm.conf
 CPUS=${SLURM_LOCAL_CPUS:-$(nproc)}
+# Memory the node offers (MB): without it SLURM assumes 1 MB and rejects any --mem request.
+MEM_MB=${SLURM_LOCAL_MEM_MB:-$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)}
 CTLD_PORT=${SLURM_LOCAL_CTLD_PORT:-6817}
 SLURMD_PORT=${SLURM_LOCAL_SLURMD_PORT:-6818}
 export SLURM_CONF=$CONF
@@ -95,7 +97,8 @@ JobCompType=jobcomp/none
 MpiDefault=none
 SwitchType=switch/none
 SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
+SelectTypeParameters=CR_CPU_Memory
+DefMemPerCPU=1024
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2,bf_interval=2
 ReturnToService=2
@@ -104,7 +107,7 @@ KillWait=10
 MinJobAge=600
 SlurmdTimeout=60
 InactiveLimit=0
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN
+NodeName=localhost NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 CONF
 }
