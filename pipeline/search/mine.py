@@ -237,8 +237,15 @@ def run(cfg: Config) -> int:
             raise InputError(f"output directory {path.parent} does not exist; create it first")
     counts: Counter = Counter()
     pairs = read_pairs(cfg.input, cfg.min_label, counts)
+    # On the CPU even with faiss-gpu: the cosine filter reads stored vectors back (reconstruct), which
+    # GPU IVF indexes do not support.
     index = SearchIndex.load(
-        cfg.index_dir, model=cfg.model, device=cfg.device, nprobe=cfg.nprobe, ef_search=cfg.ef_search
+        cfg.index_dir,
+        model=cfg.model,
+        device=cfg.device,
+        nprobe=cfg.nprobe,
+        ef_search=cfg.ef_search,
+        gpu=False,
     )
     if cfg.rank_end > len(index):
         raise ConfigError(f"--rank-end {cfg.rank_end} exceeds the {len(index)} sentences in {cfg.index_dir}")
