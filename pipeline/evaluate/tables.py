@@ -48,7 +48,7 @@ def align_table(result: dict[str, Any]) -> str | None:
         return None
     rows = [[name, v.get("align"), v.get("uniform"), v.get("positives")] for name, v in align.items()]
     return markdown_table(
-        ["set", "alignment (lower better)", "uniformity (lower better)", "positive pairs"], rows, 3
+        ["set", "alignment (lower better)", "uniformity (lower better)", "positive pairs"], rows, 4
     )
 
 
