@@ -382,3 +382,49 @@ def test_check_compatible_allows_harmless_changes():
         "objective.queue_size: '<absent>' -> 64",
         "train.seed: 1 -> 2",
     ]
+
+
+class FakeEngine:
+    """What the checkpointer uses of a DeepSpeed engine, with a chosen data-parallel size."""
+
+    def __init__(self, dp: int, stage: int = 2) -> None:
+        self.dp_world_size, self.stage, self.loaded = dp, stage, None
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    def save_checkpoint(self, directory: str, tag: str, save_latest: bool = True) -> None:
+        Path(directory, tag).mkdir(parents=True)
+        Path(directory, tag, "zero_pp_rank_0_optim_states.pt").write_bytes(b"shard")
+
+    def load_checkpoint(self, directory: str, tag: str, **kwargs) -> None:
+        self.loaded = Path(directory, tag)
+
+
+def test_deepspeed_engine_checkpoint_and_world_size_rules(tmp_path):
+    s = Setup(tmp_path)
+    saving = Checkpointer(tmp_path / "run", engine=FakeEngine(dp=2))
+    path = saving.save(1, s.model, s.states, s.rank_states, CONFIG)
+    manifest = json.loads((path / "checkpoint.json").read_text())
+    assert manifest["deepspeed"] == {"zero_stage": 2, "dp_world_size": 2}
+    assert "deepspeed/engine/zero_pp_rank_0_optim_states.pt" in manifest["files"]
+    same = FakeEngine(dp=2)
+    Checkpointer(tmp_path / "run", engine=same).load(path, s.model, s.states, s.rank_states)
+    assert same.loaded == path / "deepspeed" / "engine"
+    with pytest.raises(
+        CheckpointError, match="shards for 2 data-parallel ranks but this run has 1.*Resume with 2"
+    ):
+        Checkpointer(tmp_path / "run", engine=FakeEngine(dp=1)).load(path, s.model, s.states, s.rank_states)
+    with pytest.raises(CheckpointError, match="written under DeepSpeed"):
+        Checkpointer(tmp_path / "run").load(path, s.model, s.states, s.rank_states)
+    plain = save(Checkpointer(tmp_path / "plain"), s, 1)
+    with pytest.raises(CheckpointError, match="written without DeepSpeed"):
+        Checkpointer(tmp_path / "plain", engine=FakeEngine(dp=1)).load(
+            plain, s.model, s.states, s.rank_states
+        )
+    # ZeRO-0 keeps no shards: any process count may resume it.
+    zero0 = Checkpointer(tmp_path / "zero0", engine=FakeEngine(dp=2, stage=0))
+    path0 = zero0.save(1, s.model, s.states, s.rank_states, CONFIG)
+    Checkpointer(tmp_path / "zero0", engine=FakeEngine(dp=1, stage=0)).load(
+        path0, s.model, s.states, s.rank_states
+    )

@@ -254,3 +254,18 @@ def test_slurm_usr1_requeue_resume_equals_uninterrupted(setup, uninterrupted):
     assert "exited with status 75" in text and "requeueing" in text
     assert signalled_at < STEPS, "the job finished before the signal"
     assert_same_run(run_dir, uninterrupted)
+
+
+def test_deepspeed_zero2_resume_is_exact(setup):
+    zero2 = ["--train.deepspeed_config=launch/deepspeed/zero2.json"]
+    reference = setup["root"] / "zero2-full"
+    run_to_end([*torchrun(setup, reference, steps=4), *zero2])
+    run_dir = setup["root"] / "zero2-resumed"
+    run_to_end([*torchrun(setup, run_dir, steps=2), *zero2])
+    resumed = run_to_end([*torchrun(setup, run_dir, steps=4), *zero2])
+    assert "resumed from" in resumed.stderr
+    assert losses(run_dir) == losses(reference)
+    for mine, ref in zip(dumps(run_dir, 2), dumps(reference, 2), strict=True):
+        assert mine["param_checksum"] == ref["param_checksum"]
+        assert mine["queue_checksum"] == ref["queue_checksum"]
+    # A different process count is refused: tests/test_checkpoint.py checks that message without DeepSpeed.

@@ -503,12 +503,11 @@ class Checkpointer:
         if info["zero_stage"] > 0 and info["dp_world_size"] != dp:
             raise CheckpointError(
                 f"checkpoint {path} holds ZeRO-{info['zero_stage']} optimizer shards for "
-                f"{info['dp_world_size']} data-parallel ranks but this run has {dp}. ZeRO shards cannot be "
-                "re-split by loading; resume with the same number of processes, or convert it with "
-                "`python -m deepspeed.checkpoint.ds_to_universal --input_folder "
-                f"{path / DEEPSPEED_DIR / DEEPSPEED_TAG} "
-                "--output_folder <dir>` and load that with checkpoint.load_universal=true "
-                "(see docs/fault_tolerance.md)"
+                f"{info['dp_world_size']} data-parallel ranks but this run has {dp}, and ZeRO shards "
+                f"cannot be re-split on load. Resume with {info['dp_world_size']} processes, or start a new "
+                f"run_dir from the weights (--model.name_or_path={path / MODEL_DIR}; optimizer state and "
+                "queue start afresh). DeepSpeed's ds_to_universal converter can re-shard the optimizer "
+                "state, but this trainer does not load universal checkpoints (see docs/fault_tolerance.md)"
             )
 
 
