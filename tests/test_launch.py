@@ -2,6 +2,8 @@
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 
@@ -104,6 +106,12 @@ def test_missing_shards_cli_exit_code_and_no_traceback(tmp_path):
     assert f"error: data.shards: {tmp_path / 'none'} is not a directory" in proc.stderr
 
 
+def _free_port() -> int:
+    with socket.socket() as s:  # torchrun's --master_port 0 leaves the workers waiting for ever
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _torchrun(tmp_path, shards, *extra, steps=16):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(PROJECT_ROOT / ".cache" / "torch_extensions"))
@@ -115,7 +123,7 @@ def _torchrun(tmp_path, shards, *extra, steps=16):
         "--nproc_per_node",
         "2",
         "--master_port",
-        "0",
+        str(_free_port()),
         str(PROJECT_ROOT / "launch" / "pretrain.py"),
         "--config",
         str(DEBUG),
@@ -125,8 +133,23 @@ def _torchrun(tmp_path, shards, *extra, steps=16):
         "--train.debug_dump",
         *extra,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=PROJECT_ROOT, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # own session, so that a hung run is killed with its worker processes, not just the launcher
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=PROJECT_ROOT,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, stderr[-3000:]
     dumps = [json.loads((run_dir / "debug" / f"rank{r}.json").read_text()) for r in range(2)]
     losses = [
         json.loads(line)["loss"]
