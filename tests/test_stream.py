@@ -110,3 +110,36 @@ def test_iterating_leaves_the_global_rng_alone(shards):
     for _ in streams(d, 1, 0)[0].epoch_batches():
         pass
     assert torch.equal(before, torch.get_rng_state())
+
+
+def test_fast_encoder_equals_the_transformers_tokenizer(tmp_path):
+    import torch
+    from _train_data import sample_sentences
+
+    from pipeline.data.stream import FastEncoder, ViewCollator
+    from pipeline.model import build_char_vocab, make_tokenizer, write_vocab
+
+    texts = sample_sentences(40)
+    write_vocab(build_char_vocab(texts[:20]), tmp_path / "vocab.txt")  # unseen characters -> [UNK]
+    tok = make_tokenizer(tmp_path / "vocab.txt")
+    texts += ["ABC def 123", "短", "很长的句子" * 20]
+    ids, mask = FastEncoder(tok, 24)(texts)
+    ref = tok(texts, padding=True, truncation=True, max_length=24, return_tensors="pt")
+    assert torch.equal(ids, ref["input_ids"]) and torch.equal(mask, ref["attention_mask"])
+    # views: original, k variants (the original fills a missing one), d dropout copies of the original
+    rows = {"id": [1, 2], "text": ["今天天气好", "明天下雨"], "variants": [["今天好", "天气好"], ["明天雨"]]}
+    write_vocab(build_char_vocab(rows["text"] * 2), tmp_path / "v2.txt")
+    tok = make_tokenizer(tmp_path / "v2.txt")
+    out = ViewCollator(tok, 24, num_variants=2, num_dropout_views=1)(rows)
+    assert out["num_views"] == 4 and out["input_ids"].shape[0] == 8
+    decoded = [tok.decode(x, skip_special_tokens=True).replace(" ", "") for x in out["input_ids"]]
+    assert decoded == [
+        "今天天气好",
+        "明天下雨",
+        "今天好",
+        "明天雨",
+        "天气好",
+        "明天下雨",
+        "今天天气好",
+        "明天下雨",
+    ]

@@ -334,6 +334,30 @@ class BatchStream:
 
 
 # --------------------------------------------------------------------------------------------- collate
+class FastEncoder:
+    """Tokenise a list of texts to padded (N, L) int64 arrays with the Rust tokenizer directly.
+
+    Gives the same ids and mask as ``tokenizer(texts, padding=True, truncation=True, max_length=L)``
+    (tested) at about twice the speed: transformers' conversion of the encodings to tensors costs as
+    much as the tokenisation itself. The backend is copied, so the caller's tokenizer is untouched.
+    """
+
+    def __init__(self, tokenizer: Any, max_length: int):
+        from tokenizers import Tokenizer
+
+        self.backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+        self.backend.enable_truncation(max_length=max_length)
+        self.backend.enable_padding(pad_id=tokenizer.pad_token_id, pad_token=tokenizer.pad_token)
+
+    def __call__(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        # encode_batch_fast skips character offsets, which we never use (tokenizers >= 0.20)
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        encodings = encode(list(texts))
+        ids = np.array([e.ids for e in encodings], dtype=np.int64)  # (N, L), L = longest in the batch
+        mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)  # (N, L)
+        return torch.from_numpy(ids), torch.from_numpy(mask)
+
+
 class ViewCollator:
     """Rows of the shards -> one tokenised batch of n = 1 + k + d views per sentence (LUSE, SimCSE).
 
@@ -346,7 +370,7 @@ class ViewCollator:
     columns = ("id", "text", "variants")
 
     def __init__(self, tokenizer: Any, max_length: int, num_variants: int, num_dropout_views: int):
-        self.tokenizer, self.max_length = tokenizer, max_length
+        self.encode = FastEncoder(tokenizer, max_length)
         self.k, self.d = num_variants, num_dropout_views
 
     def __call__(self, rows: dict[str, list[Any]]) -> dict[str, Any]:
@@ -354,17 +378,8 @@ class ViewCollator:
         views = [texts]
         for j in range(self.k):
             views.append([v[j] if j < len(v) else t for t, v in zip(texts, rows["variants"])])
-        flat = [t for view in views for t in view]
-        enc = self.tokenizer(
-            flat,
-            padding=True,
-            truncation=True,
-            max_length=self.max_length,
-            return_tensors="pt",
-            return_token_type_ids=False,
-        )
+        ids, mask = self.encode([t for view in views for t in view])  # (1 + k) * B rows
         b = len(texts)
-        ids, mask = enc["input_ids"], enc["attention_mask"]
         if self.d:  # dropout views: the original's tokens again; dropout makes them differ
             ids = torch.cat([ids, ids[:b].repeat(self.d, 1)])
             mask = torch.cat([mask, mask[:b].repeat(self.d, 1)])
@@ -380,23 +395,15 @@ class PairCollator:
     """Supervised records -> tokenised columns (sentence1/2[/3]) and labels, one tensor set per column."""
 
     def __init__(self, tokenizer: Any, max_length: int, text_columns: Sequence[str], label_dtype: Any = None):
-        self.tokenizer, self.max_length = tokenizer, max_length
+        self.encode = FastEncoder(tokenizer, max_length)
         self.text_columns, self.label_dtype = list(text_columns), label_dtype
 
     def __call__(self, rows: dict[str, list[Any]]) -> dict[str, Any]:
-        flat = [t for col in self.text_columns for t in rows[col]]
-        enc = self.tokenizer(
-            flat,
-            padding=True,
-            truncation=True,
-            max_length=self.max_length,
-            return_tensors="pt",
-            return_token_type_ids=False,
-        )
+        ids, mask = self.encode([t for col in self.text_columns for t in rows[col]])
         out = {
             "ids": torch.tensor(rows["index"], dtype=torch.int64),
-            "input_ids": enc["input_ids"],  # (n * B, L), column-major like the views
-            "attention_mask": enc["attention_mask"],
+            "input_ids": ids,  # (n * B, L), column-major like the views
+            "attention_mask": mask,
             "num_views": len(self.text_columns),
         }
         if self.label_dtype is not None:
