@@ -34,6 +34,7 @@ from pipeline.data.stream import (
 )
 from pipeline.errors import ConfigError
 from pipeline.losses import get_objective
+from pipeline.losses.mlm import MLMCollator, MLMHead
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
 from pipeline.model.vocab import read_model_config, write_vocab
 from pipeline.resources import EVAL_DIR
@@ -63,15 +64,31 @@ class TrainState:
 
 
 class TrainModule(nn.Module):
-    """What DDP/DeepSpeed wrap: the encoder plus, for the sbert objective, its classifier head."""
+    """What DDP/DeepSpeed wrap: the encoder plus, for the sbert objective, its classifier head, and
+    with ``objective.mlm_weight`` the MLM head (pipeline/losses/mlm.py; trained, never exported)."""
 
-    def __init__(self, encoder: SentenceEncoder, head: nn.Module | None = None):
+    def __init__(
+        self, encoder: SentenceEncoder, head: nn.Module | None = None, mlm_head: nn.Module | None = None
+    ):
         super().__init__()
         self.encoder = encoder
         self.head = head
+        self.mlm_head = mlm_head
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.encoder(input_ids=input_ids, attention_mask=attention_mask)  # (N, H)
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, mlm_input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        emb = self.encoder(input_ids=input_ids, attention_mask=attention_mask)  # (N, H)
+        if mlm_input_ids is None:
+            return emb
+        # One extra backbone forward of the B masked originals (their padding equals view 0's), inside
+        # this forward so DDP sees every parameter used once per step.
+        b = mlm_input_ids.shape[0]
+        backbone = self.encoder.backbone
+        hidden = backbone(
+            input_ids=mlm_input_ids, attention_mask=attention_mask[:b], return_dict=True
+        ).last_hidden_state  # (B, L, H)
+        return emb, self.mlm_head(hidden, backbone.get_input_embeddings().weight)  # (N, H), (B, L, V)
 
 
 @dataclass
@@ -107,6 +124,8 @@ class Trainer:
             out["grad_scaler"] = self.accelerator.scaler
         if self.module.head is not None:
             out["head"] = self.module.head
+        if self.module.mlm_head is not None:
+            out["mlm_head"] = self.module.mlm_head
         if self.queue is not None:
             out["queue"] = self.queue
         if self.momentum_encoder is not None:
@@ -261,6 +280,8 @@ def build_stream(cfg: Config, tokenizer: Any, rank: int, world: int) -> BatchStr
         k, views = (d.num_variants, d.num_dropout_views) if cfg.objective.name == "luse" else (0, 1)
         collate = ViewCollator(tokenizer, d.max_length, k, views)
         source: Any = ShardSource(blocks, collate.columns)
+        if cfg.objective.mlm_weight:  # masks drawn in the loader workers, from the data position
+            collate = MLMCollator(collate, tokenizer, t.seed, cfg.objective.mlm_probability)
     else:
         records = read_records(cfg)
         n_text = 3 if cfg.objective.name == "sup_simcse" else 2
@@ -356,7 +377,11 @@ def build(cfg: Config) -> Trainer:
     head = None
     if cfg.objective.name == "sbert":
         head = get_objective("sbert").SoftmaxHead(encoder.dim, cfg.objective.num_labels)
-    module = TrainModule(encoder, head).to(accelerator.device)
+    mlm_head = None
+    if cfg.objective.mlm_weight:  # after the encoder: with MLM off the initial weights are unchanged
+        bc = encoder.backbone.config
+        mlm_head = MLMHead(encoder.dim, bc.vocab_size, getattr(bc, "layer_norm_eps", 1e-12))
+    module = TrainModule(encoder, head, mlm_head).to(accelerator.device)
     torch.manual_seed(cfg.train.seed + 1000 * rank)  # dropout differs per rank, and reproducibly
     metrics = MetricsLogger(cfg.run_dir, enabled=accelerator.is_main_process)
     if accelerator.is_main_process:

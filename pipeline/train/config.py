@@ -110,8 +110,20 @@ class ObjectiveConfig:
     )
     cosent_scale: float = option(20.0, "CoSENT: lambda, the scale of cosine differences.")
     num_labels: int = option(3, "sbert: number of classes in the labelled pair file.")
+    mlm_weight: float = option(
+        0.0,
+        "luse/simcse: lambda of the auxiliary masked-token loss on the originals "
+        "(loss = contrastive + lambda * mlm; 0 = off).",
+    )
+    mlm_probability: float = option(
+        0.15, "Share of a sentence's tokens selected for the MLM loss (BERT: 0.15; split 80/10/10)."
+    )
 
     def __post_init__(self) -> None:
+        if self.mlm_weight < 0:
+            raise ConfigError("objective.mlm_weight must be >= 0 (0 turns the MLM loss off; try 0.1)")
+        if not 0.0 < self.mlm_probability < 1.0:
+            raise ConfigError("objective.mlm_probability must be in (0, 1) (BERT uses 0.15)")
         if self.temperature <= 0:
             raise ConfigError("objective.temperature must be > 0 (try 0.05)")
         if self.queue_size < 0:
@@ -227,6 +239,14 @@ class Config:
         if name == "luse" and self.data.num_variants + self.data.num_dropout_views < 1:
             raise ConfigError(
                 "luse needs at least one positive: set data.num_variants or num_dropout_views >= 1"
+            )
+        if self.objective.mlm_weight and name not in UNSUPERVISED:
+            raise ConfigError(
+                f"objective.mlm_weight applies to luse and simcse only, not {name}; set it to 0"
+            )
+        if self.objective.mlm_weight and self.train.gradcache_chunk_size:
+            raise ConfigError(
+                "objective.mlm_weight is not supported with train.gradcache_chunk_size; set one of them to 0"
             )
         if self.train.gradcache_chunk_size and self.train.grad_accum_steps > 1:
             raise ConfigError("use either train.gradcache_chunk_size or train.grad_accum_steps > 1, not both")

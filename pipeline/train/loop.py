@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline import distributed as dist
+from pipeline.losses.mlm import compute_loss as mlm_loss
 from pipeline.train.build import Trainer
 from pipeline.train.gradcache import chunked_forward_backward
 from pipeline.train.metrics import Throughput, alignment_uniformity, sts_spearman
@@ -55,8 +56,9 @@ def micro_batches(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
             "input_ids": batch["input_ids"][rows],
             "attention_mask": batch["attention_mask"][rows],
         }
-        if "labels" in batch:
-            mb["labels"] = batch["labels"][p * size : (p + 1) * size]
+        for key in ("labels", "mlm_input_ids", "mlm_labels"):  # one row (or label) per sentence
+            if key in batch:
+                mb[key] = batch[key][p * size : (p + 1) * size]
         out.append(mb)
     return out
 
@@ -79,13 +81,16 @@ def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     """One optimizer step over this rank's slice of a global batch; returns detached device tensors."""
     acc, cfg = t.accelerator, t.cfg
     t.schedule.apply(t.state.step)  # before backward: DeepSpeed steps inside accelerator.backward
-    losses = []
+    losses, parts = [], []
     for mb in micro_batches(batch, cfg.train.grad_accum_steps):
         inputs = {k: mb[k].to(acc.device, non_blocking=True) for k in ("input_ids", "attention_mask")}
         labels = mb["labels"].to(acc.device) if "labels" in mb else None
         with acc.accumulate(t.model):
             if cfg.train.gradcache_chunk_size:
                 loss, emb = chunked_forward_backward(t, inputs, mb["num_views"], {"labels": labels})
+            elif t.module.mlm_head is not None:
+                loss, emb, part = mlm_forward_backward(t, inputs, mb)
+                parts.append(part)
             else:
                 emb = t.model(**inputs).view(mb["num_views"], -1, t.encoder.dim)  # (n, B, H)
                 loss = compute_objective(t, emb, {"labels": labels})
@@ -100,7 +105,27 @@ def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         t.momentum_encoder.update(t.module.encoder, cfg.objective.momentum)
     t.state.step += 1
     t.state.samples_seen += cfg.train.global_batch_size
-    return {"loss": torch.stack(losses).mean(), "embeddings": emb.detach()}
+    out = {"loss": torch.stack(losses).mean(), "embeddings": emb.detach()}
+    if parts:
+        out["contrastive_loss"], out["mlm_loss"] = torch.stack(parts).mean(0)
+    return out
+
+
+def mlm_forward_backward(
+    t: Trainer, inputs: dict[str, torch.Tensor], mb: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """contrastive + lambda * MLM on one micro-batch (luse/simcse); one backward of the sum.
+
+    Returns the total loss, the (n, B, H) embeddings and the detached (contrastive, mlm) pair.
+    """
+    device = t.accelerator.device
+    emb, logits = t.model(**inputs, mlm_input_ids=mb["mlm_input_ids"].to(device, non_blocking=True))
+    emb = emb.view(mb["num_views"], -1, t.encoder.dim)  # (n, B, H)
+    contrastive = compute_objective(t, emb, {"labels": None})
+    mlm = mlm_loss(logits, mb["mlm_labels"].to(device, non_blocking=True))  # logits (B, L, V)
+    loss = contrastive + t.cfg.objective.mlm_weight * mlm
+    t.accelerator.backward(loss)
+    return loss, emb, torch.stack([contrastive.detach(), mlm.detach()])
 
 
 def log_step(t: Trainer, out: dict[str, torch.Tensor], throughput: Throughput, bar: Any) -> None:
@@ -109,10 +134,13 @@ def log_step(t: Trainer, out: dict[str, torch.Tensor], throughput: Throughput, b
     record: dict[str, Any] = {
         "step": t.state.step,
         "samples_seen": t.state.samples_seen,
-        "loss": loss,
+        "loss": loss,  # with objective.mlm_weight: contrastive + lambda * mlm, both parts logged below
         "lr": t.schedule.lr(t.state.step - 1),
         "epoch": t.stream.cursor.epoch,
     }
+    for key in ("contrastive_loss", "mlm_loss"):
+        if key in out:
+            record[key] = dist.all_reduce_mean(out[key]).item()
     rate = throughput.rate(t.state.samples_seen)
     record["sentences_per_s"] = rate
     record["sequences_per_s"] = rate * out["embeddings"].shape[0]

@@ -1,0 +1,150 @@
+"""Auxiliary masked-language-model loss (Devlin et al. 2019, "BERT", section 3.1), added to a contrastive
+objective as in SimCSE (Gao, Yao and Chen 2021, appendix: "MLM auxiliary objective").
+
+Contrastive training looks only at pooled sentence vectors and tends to erode token-level knowledge;
+a weighted masked-token loss on the batch's original sentences keeps the backbone predicting tokens:
+
+    total = contrastive + lambda * mlm
+
+Masking (:func:`mask_tokens`, BERT's recipe): each non-special, non-padding token is selected with
+probability ``mask_prob`` (0.15); of the selected, 80% become ``[MASK]``, 10% a random ordinary token,
+10% stay unchanged. Labels are the original ids at selected positions and -100 elsewhere.
+
+Masks are drawn in the data-loader workers (:class:`MLMCollator`) from a generator seeded by the run
+seed and the ids of the batch's sentences, so they are a pure function of the data position: no host
+sync in the step, and an exact resume redraws exactly the same masks.
+
+:class:`MLMHead` is BERT's prediction head (dense -> GELU -> LayerNorm -> decoder). The decoder's
+weight is *tied* to the backbone's word embeddings (as in BERT): it adds only H*H + 3H + V parameters
+and the masked-token gradient reaches the input embeddings directly. The head is trained and
+checkpointed but never exported with the encoder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.losses._precision import at_least_float32
+
+IGNORE_INDEX = -100  # label of unselected positions (cross_entropy's default ignore_index)
+MASK_PROB = 0.15  # BERT's selection rate; the config field objective.mlm_probability overrides it
+# BERT's split of the selected tokens; fixed constants, as in BERT/RoBERTa (no run has tuned them)
+MASK_TOKEN_SHARE = 0.8  # -> [MASK]
+RANDOM_TOKEN_SHARE = 0.1  # -> a random ordinary token; the remaining 10% keep their token
+
+
+def mask_tokens(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    special_ids: Sequence[int],
+    mask_id: int,
+    vocab_size: int,
+    generator: torch.Generator,
+    mask_prob: float = MASK_PROB,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT masking of (B, L) ids; returns (masked ids (B, L), labels (B, L) with -100 where unselected).
+
+    Special tokens ([CLS], [SEP], [PAD], ...) and padding (attention_mask 0) are never selected. Random
+    replacements are drawn from the non-special ids only, so no [CLS]/[SEP] appears mid-sentence.
+    Pure: the inputs are not modified and the result depends only on the arguments and the generator.
+    """
+    if input_ids.shape != attention_mask.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask differ in shape")
+    special = torch.tensor(sorted(set(special_ids)), dtype=input_ids.dtype)
+    candidate = attention_mask.bool() & ~torch.isin(input_ids, special)  # (B, L)
+    draw = torch.rand(input_ids.shape, generator=generator)  # (B, L): selection
+    split = torch.rand(input_ids.shape, generator=generator)  # (B, L): which of the 80/10/10
+    selected = candidate & (draw < mask_prob)
+    labels = torch.where(selected, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+    to_mask = selected & (split < MASK_TOKEN_SHARE)
+    to_random = selected & (split >= MASK_TOKEN_SHARE) & (split < MASK_TOKEN_SHARE + RANDOM_TOKEN_SHARE)
+    every_id = torch.arange(vocab_size, dtype=input_ids.dtype)  # (V,)
+    ordinary = every_id[~torch.isin(every_id, special)]  # (V - specials,)
+    random_ids = ordinary[torch.randint(len(ordinary), input_ids.shape, generator=generator)]  # (B, L)
+    masked = torch.where(to_mask, torch.full_like(input_ids, mask_id), input_ids)
+    masked = torch.where(to_random, random_ids, masked)
+    return masked, labels
+
+
+def batch_generator(seed: int, sentence_ids: Sequence[int]) -> torch.Generator:
+    """A generator seeded by the run seed and a batch's sentence ids (uint64 values as Python ints).
+
+    The masks of a batch then depend only on which sentences it holds, so resuming at the same data
+    position (and world size) redraws them exactly; a sentence seen in another epoch sits in another
+    batch and gets a fresh mask (dynamic masking, as in RoBERTa).
+    """
+    entropy = [int(seed) & 0xFFFFFFFFFFFFFFFF, *(int(i) & 0xFFFFFFFFFFFFFFFF for i in sentence_ids)]
+    state = np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator().manual_seed(int(state))
+
+
+class MLMCollator:
+    """Wraps a view collator: adds ``mlm_input_ids`` / ``mlm_labels`` (B, L), view 0 masked.
+
+    Runs in the loader workers (picklable: only ints and the wrapped collator). View 0 is the first B
+    rows of the view-major batch, the original sentences.
+    """
+
+    def __init__(
+        self,
+        collate: Callable[[dict[str, list[Any]]], dict[str, Any]],
+        tokenizer: Any,
+        seed: int,
+        mask_prob: float = MASK_PROB,
+    ):
+        self.collate, self.seed, self.mask_prob = collate, seed, mask_prob
+        self.columns = getattr(collate, "columns", None)
+        self.special_ids = sorted({int(i) for i in tokenizer.all_special_ids})
+        self.mask_id = int(tokenizer.mask_token_id)
+        self.vocab_size = len(tokenizer)
+
+    def __call__(self, rows: dict[str, list[Any]]) -> dict[str, Any]:
+        out = self.collate(rows)
+        b = len(rows["id"])
+        generator = batch_generator(self.seed, np.asarray(rows["id"], dtype=np.uint64).tolist())
+        out["mlm_input_ids"], out["mlm_labels"] = mask_tokens(
+            out["input_ids"][:b],
+            out["attention_mask"][:b],
+            self.special_ids,
+            self.mask_id,
+            self.vocab_size,
+            generator,
+            self.mask_prob,
+        )
+        return out
+
+
+class MLMHead(nn.Module):
+    """BERT's LM prediction head with the decoder tied to the word embeddings (passed to forward)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, layer_norm_eps: float = 1e-12):
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.norm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(vocab_size))  # the decoder's own bias (not tied)
+
+    def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
+        """(B, L, H) token states, (V, H) embedding matrix -> (B, L, V) logits."""
+        x = self.norm(F.gelu(self.dense(hidden)))  # (B, L, H)
+        return F.linear(x, word_embeddings, self.bias)  # (B, L, V)
+
+
+def compute_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over positions whose label is not -100: logits (B, L, V), labels (B, L).
+
+    A batch with no selected token gives 0 (not NaN): the sum is divided by max(count, 1) on the device,
+    without reading the count back to the host.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
+    flat = at_least_float32(logits).reshape(-1, logits.shape[-1])  # (B * L, V)
+    target = labels.reshape(-1)  # (B * L,)
+    total = F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX, reduction="sum")
+    count = (target != IGNORE_INDEX).sum().clamp(min=1)
+    return total / count
