@@ -70,14 +70,44 @@ def train_and_eval(args: argparse.Namespace, weight: float, seed: int) -> dict[s
     sts = data["sts"]["model"]
     last = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in last if "loss" in r][-1]
+    std_probe = standardized_probe(run_dir, args.max_pairs or None)
     return {
         "avg5": statistics.mean(sts[s] for s in STS_SETS),
+        "probe_std_acc": std_probe["accuracy"],
+        "probe_std_f1": std_probe["macro_f1"],
         **{s: sts[s] for s in STS_SETS},
         "probe_acc": data["probe"]["accuracy"],
         "probe_f1": data["probe"]["macro_f1"],
         "contrastive": last.get("contrastive_loss", last["loss"]),
         "mlm": last.get("mlm_loss", float("nan")),
     }
+
+
+def standardized_probe(run_dir: Path, max_examples: int | None) -> dict[str, float]:
+    """The sentiment probe on standardised embeddings (cached in RUN/probe_std.json).
+
+    ``pipeline eval``'s probe fits C=1 logistic regression on the raw L2-normalised vectors; on a
+    briefly trained encoder the coordinates are tiny and it returns the majority class. Scaling each
+    coordinate to unit variance (fitted on the probe's sentences, labels unused) makes the same
+    linear probe informative; the split, subsample and classifier are those of pipeline.evaluate.
+    """
+    cache = run_dir / "probe_std.json"
+    if cache.is_file():
+        return json.loads(cache.read_text(encoding="utf-8"))
+    import numpy as np
+
+    from pipeline.evaluate.probe import linear_probe, read_labelled_tsv
+    from pipeline.model import SentenceEncoder
+
+    encoder = SentenceEncoder.from_pretrained(run_dir / "model")
+
+    def embed(texts: list[str]) -> np.ndarray:
+        x = encoder.encode(texts, batch_size=64)  # (N, H)
+        return (x - x.mean(0)) / (x.std(0) + 1e-8)
+
+    result = linear_probe(embed, read_labelled_tsv(), max_examples=max_examples)
+    cache.write_text(json.dumps(result), encoding="utf-8")
+    return result
 
 
 def mean_std(values: list[float]) -> str:
@@ -107,10 +137,11 @@ def main() -> None:
             r = results[weight][-1]
             print(
                 f"lambda={weight:g} seed={seed}: avg5 {r['avg5']:.2f} probe acc {r['probe_acc']:.2f} "
-                f"F1 {r['probe_f1']:.2f} final contrastive {r['contrastive']:.3f} mlm {r['mlm']:.3f}",
+                f"F1 {r['probe_f1']:.2f} std-probe acc {r['probe_std_acc']:.2f} "
+                f"final contrastive {r['contrastive']:.3f} mlm {r['mlm']:.3f}",
                 flush=True,
             )
-    cols = ["avg5", *STS_SETS, "probe_acc", "probe_f1", "mlm"]
+    cols = ["avg5", *STS_SETS, "probe_acc", "probe_f1", "probe_std_acc", "probe_std_f1", "mlm"]
     print(f"\n{args.steps} steps x {args.batch} sentences, max_length {args.max_length}, seeds {args.seeds}")
     print("| lambda | " + " | ".join(cols) + " |")
     print("| --- " * (len(cols) + 1) + "|")
