@@ -27,7 +27,8 @@ else
 fi
 
 if "$PY" -c "import pipeline.evaluate.run" 2>/dev/null; then
-  "$PY" -m pipeline eval "$OUT/train/model"
+  # STS on at most 2000 pairs per set keeps the sample job in minutes; drop both options for the full suite
+  "$PY" -m pipeline eval "$OUT/train/model" --suite sts --max_pairs 2000
 else  # no evaluation command: the STS-B valid score the trainer logged
   grep '"event": "eval"' "$OUT/train/metrics.jsonl" | tail -1
 fi
