@@ -111,6 +111,8 @@ def standardized_probe(run_dir: Path, max_examples: int | None) -> dict[str, flo
 
 
 def mean_std(values: list[float]) -> str:
+    if any(v != v for v in values):  # NaN: the MLM loss of a lambda = 0 run
+        return "–"
     if len(values) < 2:
         return f"{values[0]:.2f}"
     return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
