@@ -174,6 +174,7 @@ def test_supervised_objectives_train(tmp_path, objective):
     assert steps[-1]["samples_seen"] == 64
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path, shards):
     """3 steps, stop, resume to 6 == 6 steps uninterrupted (queue, momentum encoder, cursor, RNG)."""
     from accelerate.state import AcceleratorState
