@@ -115,6 +115,21 @@ def test_linear_probe_separates_an_easy_signal():
     assert len(bundled.texts) == 17363 and set(bundled.labels.tolist()) == {0, 1}
 
 
+def test_linear_probe_reads_a_signal_inside_a_narrow_cone():
+    # Unit vectors that all point almost the same way (a briefly trained contrastive encoder), the
+    # label in a 1e-4 offset along one coordinate: plain C=1 logistic regression on raw vectors
+    # predicts the majority class here; the probe must still find the signal.
+    rng = np.random.default_rng(0)
+    labels = np.asarray([i % 2 for i in range(400)])
+    vectors = np.zeros((400, 8))
+    vectors[:, 0] = 1.0
+    vectors[:, 1] = np.where(labels == 1, 1e-4, -1e-4) + rng.normal(0, 3e-5, 400)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    data = LabelledTexts([str(i) for i in range(400)], labels)
+    result = linear_probe(lambda batch: vectors[[int(t) for t in batch]], data, test_size=0.25, seed=0)
+    assert result["accuracy"] > 95
+
+
 def _eval_argv(model, out, *extra):
     return ["eval", str(model), "--max-pairs", "40", "--out", str(out), "--progress", "false", *extra]
 

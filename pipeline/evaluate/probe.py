@@ -57,6 +57,8 @@ def linear_probe(
     from sklearn.linear_model import LogisticRegression
     from sklearn.metrics import accuracy_score, f1_score
     from sklearn.model_selection import train_test_split
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
 
     index = np.arange(len(data.labels))
     if max_examples is not None and len(index) > max_examples:
@@ -66,7 +68,10 @@ def linear_probe(
     position = {int(i): k for k, i in enumerate(index)}
     x_train = vectors[[position[int(i)] for i in train]]
     x_test = vectors[[position[int(i)] for i in test]]
-    clf = LogisticRegression(max_iter=2000, C=1.0)
+    # Standardise each coordinate (fitted on the training split only): contrastive embeddings of a
+    # briefly trained encoder live in a narrow cone, where C=1 logistic regression on the raw unit
+    # vectors predicts the majority class; standardising is what the FreezeBERT-style probes do.
+    clf = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000, C=1.0))
     clf.fit(x_train, data.labels[train])
     predicted = clf.predict(x_test)
     return {
