@@ -39,7 +39,7 @@ TINY_BERT = {
 }
 CONFIG = {
     "model": {"pooling": "cls", "scratch_config": "tiny.json"},
-    "optim": {"lr": 1e-3},
+    "optim": {"lr": 1e-3, "schedule": "constant"},
     "train": {"global_batch_size": 8, "seed": 1, "log_every": 10, "max_steps": 100},
     "checkpoint": {"every_steps": 10},
     "data": {"num_workers": 2, "shards": "/data/a"},
@@ -382,6 +382,21 @@ def test_check_compatible_allows_harmless_changes():
         "objective.queue_size: '<absent>' -> 64",
         "train.seed: 1 -> 2",
     ]
+
+
+def test_a_new_run_length_alters_a_decaying_schedule():
+    for schedule in ("linear", "cosine"):
+        old = json.loads(json.dumps(CONFIG))
+        old["optim"]["schedule"] = schedule
+        new = json.loads(json.dumps(old))
+        new["train"]["max_steps"] = 500
+        altering, harmless = config_differences(old, new)
+        assert harmless == []
+        assert altering == [
+            f"train.max_steps: 100 -> 500 (the {schedule} schedule decays to 0 at the last step)"
+        ]
+        with pytest.raises(ConfigError, match="train.max_steps"):
+            check_compatible(old, new)
 
 
 class FakeEngine:

@@ -85,7 +85,10 @@ def rank_file_name(rank: int) -> str:
 # ------------------------------------------------------------------------------ config compatibility
 # Keys whose change does not alter the sequence of parameter updates: where and how often we log,
 # evaluate and save, loader parallelism (the data order is a function of the seed, not of workers),
-# and how long to train (extending max_steps/epochs is the usual reason to resume).
+# and how long to train (extending max_steps/epochs is the usual reason to resume) -- but the run
+# length is harmless only under a constant learning rate: linear and cosine decay to zero at the last
+# step, so a new horizon changes every learning rate from the resume point on (HORIZON_KEYS).
+HORIZON_KEYS: tuple[str, ...] = ("train.max_steps", "train.epochs")
 HARMLESS_KEYS: tuple[str, ...] = (
     "run_dir",
     "resume",
@@ -119,13 +122,17 @@ def _harmless(key: str) -> bool:
 def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     """``(altering, harmless)`` differences between two resolved configs, as ``key: old -> new`` lines."""
     old, new = _flatten(saved), _flatten(current)
+    constant_lr = old.get("optim.schedule") == new.get("optim.schedule") == "constant"
     altering, harmless = [], []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
         if a == b:
             continue
         line = f"{key}: {a!r} -> {b!r}"
-        (harmless if _harmless(key) else altering).append(line)
+        if key in HORIZON_KEYS and not constant_lr:
+            altering.append(f"{line} (the {new.get('optim.schedule')} schedule decays to 0 at the last step)")
+        else:
+            (harmless if _harmless(key) else altering).append(line)
     return altering, harmless
 
 
@@ -133,8 +140,8 @@ def check_compatible(saved_config: Mapping[str, Any], config: Mapping[str, Any])
     """Refuse to resume when the config changed in a way that alters the run.
 
     Model, data, objective, optimisation, batch and seed changes are refused with every difference
-    listed; logging/evaluation/checkpoint intervals, paths, loader workers and a longer (or shorter)
-    run are allowed and logged.
+    listed; logging/evaluation/checkpoint intervals, paths, loader workers and -- under a constant
+    learning rate -- a longer (or shorter) run are allowed and logged.
     """
     altering, harmless = config_differences(saved_config, config)
     if harmless:
