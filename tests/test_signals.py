@@ -132,7 +132,9 @@ TWO_RANKS = textwrap.dedent(
         # Rank 0's clock says a save is due, rank 1's does not: rank 0 decides for both.
         policy = CheckpointPolicy(every_minutes=1.0, now=0.0)
         due = policy.due(1, now=100.0 if rank == 0 else 1.0)
-        print(f"rank{rank} {first} {second} {handler.requested} {due}", flush=True)
+        # One write per line: two ranks share the pipe, and print() writes text and newline separately.
+        sys.stdout.write(f"rank{rank} {first} {second} {handler.requested} {due}\n")
+        sys.stdout.flush()
         dist.destroy_process_group()
 
     if __name__ == "__main__":
