@@ -133,7 +133,7 @@ TWO_RANKS = textwrap.dedent(
         policy = CheckpointPolicy(every_minutes=1.0, now=0.0)
         due = policy.due(1, now=100.0 if rank == 0 else 1.0)
         # One write per line: two ranks share the pipe, and print() writes text and newline separately.
-        sys.stdout.write(f"rank{rank} {first} {second} {handler.requested} {due}\n")
+        sys.stdout.write(f"rank{rank} {first} {second} {handler.requested} {due}\\n")
         sys.stdout.flush()
         dist.destroy_process_group()
 
