@@ -75,3 +75,16 @@ def test_report_missing_run_is_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "run directory" in err[0] and "does not exist" in err[0]
+
+
+def test_trainer_events_become_eval_curves_or_are_left_out():
+    records = [
+        {"event": "unk_rate", "ATEC.test": 0.12, "BQ.dev": 0.003},  # a start-up report, not a curve
+        {"step": 10, "loss": 5.0, "lr": 1e-4},
+        {"event": "eval", "step": 10, "sts_b_valid_spearman": 40.0},
+        {"step": 20, "loss": 4.0, "lr": 2e-4},
+        {"event": "eval", "step": 20, "sts_b_valid_spearman": 45.0},
+    ]
+    train, evals = metric_series(records)
+    assert set(train) == {"loss", "lr"}
+    assert evals == {"sts_b_valid_spearman": ([10, 20], [40.0, 45.0])}

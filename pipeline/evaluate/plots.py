@@ -65,21 +65,27 @@ def metric_series(
     records: list[dict[str, Any]],
 ) -> tuple[dict[str, tuple[list, list]], dict[str, tuple[list, list]]]:
     """(training series, evaluation series): name -> (steps, values). Every numeric field is a series;
-    the ``eval`` mapping of a record gives the evaluation series. Records without a step use their index."""
+    the ``eval`` mapping of a record, and the fields of an ``"event": "eval"`` record, give the evaluation
+    series. Other events (e.g. the start-up ``unk_rate`` report) are not curves and are left out.
+    Records without a step use their index."""
     train: dict[str, tuple[list, list]] = {}
     evals: dict[str, tuple[list, list]] = {}
     for index, record in enumerate(records):
+        event = record.get("event")
+        if event is not None and event != "eval":
+            continue
         step = record.get("step")
         x = step if _is_number(step) else index
         values: dict[str, float] = {}
         for key, value in record.items():
-            if key in X_KEYS or key == "eval":
+            if key in X_KEYS or key in ("eval", "event"):
                 continue
             _flatten(key, value, values)
+        target = evals if event == "eval" else train
         for name, value in values.items():
-            train.setdefault(name, ([], []))
-            train[name][0].append(x)
-            train[name][1].append(value)
+            target.setdefault(name, ([], []))
+            target[name][0].append(x)
+            target[name][1].append(value)
         scores: dict[str, float] = {}
         _flatten("", record.get("eval"), scores)
         for name, value in scores.items():
@@ -119,7 +125,7 @@ def plot_training(series: dict[str, tuple[list, list]], path: Path, title: str =
     for ax in list(axes.flat)[len(names) :]:
         ax.set_visible(False)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))  # leave room for the title above the first row
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -194,7 +200,7 @@ def plot_similarity(
     for ax in list(axes.flat)[len(names) :]:
         ax.set_visible(False)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))  # leave room for the title above the first row
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
