@@ -133,8 +133,12 @@ def write_shard(path: str | Path, blocks: Iterable[pa.Table], shard_index: int) 
     }
 
 
-def read_shard(path: str | Path) -> Iterator[pa.Table]:
-    """Yield the blocks of one shard in order."""
+def iter_blocks(path: str | Path) -> Iterator[tuple[tarfile.TarInfo, pa.Table]]:
+    """Yield ``(tar member, block)`` for every block of one shard, in order.
+
+    The member carries ``offset_data`` and ``size``: where the block's bytes lie in the tar, which
+    lets a reader seek straight to a block later.
+    """
     path = Path(path)
     try:
         with tarfile.open(path, mode="r:") as tar:
@@ -143,9 +147,15 @@ def read_shard(path: str | Path) -> Iterator[pa.Table]:
                     continue
                 f = tar.extractfile(member)
                 assert f is not None
-                yield ipc_to_table(f.read())
+                yield member, ipc_to_table(f.read())
     except (tarfile.TarError, pa.ArrowInvalid, OSError) as exc:
         raise InputError(f"shard {path} is unreadable ({exc}); re-create it with its stage") from None
+
+
+def read_shard(path: str | Path) -> Iterator[pa.Table]:
+    """Yield the blocks of one shard in order."""
+    for _, table in iter_blocks(path):
+        yield table
 
 
 # --------------------------------------------------------------------------------------------- manifest

@@ -18,7 +18,6 @@ out worker outputs round-robin starting at worker 0, which yields them in stream
 from __future__ import annotations
 
 import logging
-import tarfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.errors import ConfigError, InputError
-from pipeline.shards import BLOCK_EXT, ipc_to_table, read_manifest, verify_shard
+from pipeline.shards import ipc_to_table, iter_blocks, read_manifest, verify_shard
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +58,8 @@ def index_shards(directory: str | Path, verify: bool = True) -> list[BlockRef]:
     blocks: list[BlockRef] = []
     for entry in manifest["shards"]:
         path = verify_shard(directory, entry) if verify else directory / entry["name"]
-        try:
-            with tarfile.open(path, mode="r:") as tar:
-                for member in tar:
-                    if not member.isfile() or not member.name.endswith("." + BLOCK_EXT):
-                        continue
-                    f = tar.extractfile(member)
-                    assert f is not None
-                    rows = ipc_to_table(f.read()).num_rows
-                    blocks.append(BlockRef(str(path), member.offset_data, member.size, rows))
-        except (tarfile.TarError, pa.ArrowInvalid, OSError) as exc:
-            raise InputError(f"shard {path} is unreadable ({exc}); re-create it with its stage") from None
+        for member, table in iter_blocks(path):
+            blocks.append(BlockRef(str(path), member.offset_data, member.size, table.num_rows))
     if not blocks:
         raise InputError(f"{directory} holds no blocks; check the stage that wrote it")
     return blocks
@@ -98,15 +88,10 @@ def cached_variants(directory: str | Path) -> int:
     if found is not None:
         return found
     first = Path(directory) / manifest["shards"][0]["name"]
-    with tarfile.open(first, mode="r:") as tar:
-        for member in tar:
-            f = tar.extractfile(member)
-            if f is None:
-                continue
-            table = ipc_to_table(f.read())
-            if "variants" not in table.column_names:
-                return 0
-            return max((len(v) for v in table.column("variants").to_pylist()), default=0)
+    for _, table in iter_blocks(first):
+        if "variants" not in table.column_names:
+            return 0
+        return max((len(v) for v in table.column("variants").to_pylist()), default=0)
     return 0
 
 
