@@ -8,8 +8,6 @@ averaging does, so they must equal the gradient of the single-process loss.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -87,9 +85,10 @@ def local_slice(name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
     return tensor[rank * B : (rank + 1) * B]
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, store: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    # A file store: no port to race for with whatever else runs on the machine.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
         out: dict[str, object] = {
             "rank": distributed.rank(),
@@ -138,20 +137,16 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             queue.enqueue_gathered(queue_keys(step, rank))
         out["queue"] = queue.state_dict()
         torch.save(out, f"{out_dir}/rank{rank}.pt")
+        # Leave together: a rank tearing down gloo while its peer still talks to it can abort the peer.
+        distributed.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("gloo")
-    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(str(out_dir / "store"), str(out_dir)), nprocs=WORLD, join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 
