@@ -61,7 +61,7 @@ def test_luse_run_writes_metrics_model_and_tokenizer(tmp_path, shards):
     assert steps[-1]["samples_seen"] == 6 * 16 and steps[0]["queue_fill"] == 0.5
     assert {"alignment", "uniformity", "sentences_per_s", "lr"} <= set(steps[-1])
     evals = [r for r in records if r.get("event") == "eval"]
-    assert [e["step"] for e in evals] == [3, 6]
+    assert [e["step"] for e in evals] == [0, 3, 6]  # step 0: the untrained model, where the curve starts
     assert any(r.get("event") == "unk_rate" for r in records)
     assert (rd / "config.yaml").is_file() and (rd / "tensorboard").is_dir()
     # the saved model and its char tokenizer round-trip
@@ -74,6 +74,28 @@ def test_luse_run_writes_metrics_model_and_tokenizer(tmp_path, shards):
         == make_tokenizer(rd / "tokenizer" / "vocab.txt")(text)["input_ids"]
     )
     assert loaded.tokenizer.unk_token_id not in loaded.tokenizer(text)["input_ids"]
+
+
+def _safetensors_bytes(model_dir):
+    return (model_dir / "model.safetensors").read_bytes()
+
+
+def test_final_model_best_is_the_best_checkpoint(tmp_path, shards):
+    from pipeline.train.checkpoint import Checkpointer
+    from pipeline.train.run import run
+
+    overrides = {"train.max_steps": 8, "train.eval_every": 2, "train.final_model": "best", "optim.lr": 3e-2}
+    cfg = debug_cfg(tmp_path, shards, **overrides)
+    assert run(cfg) == 0
+    evals = [r for r in read_metrics(cfg.run_dir) if r.get("event") == "eval"]
+    scored = {e["step"]: e["sts_b_valid_spearman"] for e in evals if e["step"] > 0}
+    best_step = max(scored, key=lambda s: (scored[s], -s))  # ties: the first one reached stays best
+    checkpoints = Checkpointer(cfg.run_dir)
+    assert checkpoints.best().name == f"step-{best_step:08d}"
+    assert _safetensors_bytes(cfg.run_dir / "model") == _safetensors_bytes(checkpoints.best() / "model")
+    if best_step != 8:  # then the last step's weights differ from what was exported
+        assert _safetensors_bytes(cfg.run_dir / "model") != _safetensors_bytes(checkpoints.latest() / "model")
+    assert SentenceEncoder.from_pretrained(cfg.run_dir / "model").encode(["一句话"]).shape == (1, 32)
 
 
 def test_grad_accumulation_and_simcse_run(tmp_path, shards):

@@ -99,6 +99,7 @@ HARMLESS_KEYS: tuple[str, ...] = (
     "train.log_every",
     "train.eval_every",
     "train.eval_max_pairs",
+    "train.final_model",
     "train.debug_dump",
     "train.max_steps",
     "train.epochs",

@@ -199,6 +199,11 @@ class TrainConfig:
     log_every: int = option(10, "Log loss, lr, throughput and batch statistics every this many steps.")
     eval_every: int = option(500, "Evaluate on STS-B valid every this many steps (0 = only at the end).")
     eval_max_pairs: int = option(0, "Evaluate on the first this many STS-B valid pairs (0 = all).")
+    final_model: Literal["last", "best"] = option(
+        "last",
+        "Weights written to RUN_DIR/model at the end: the last step's, or the checkpoint with the best "
+        "STS-B valid score (model selection on the dev set, as SimCSE's reference trainer does).",
+    )
     debug_dump: bool = option(False, "Write RUN_DIR/debug/rank{r}.json (checksums of parameters and queue).")
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import time
 from typing import Any
 
@@ -196,6 +197,8 @@ def train(t: Trainer) -> int:
     throughput, last_save = Throughput(), [time.time()]
     throughput.samples0 = t.state.samples_seen
     batches = iter(t.stream)
+    if t.state.step == 0 and cfg.train.eval_every:
+        evaluate(t)  # the untrained model's score: where the eval curve starts (not a best candidate)
     while t.state.step < t.total_steps:
         out = train_step(t, next(batches))
         bar.update(1)
@@ -220,10 +223,31 @@ def train(t: Trainer) -> int:
 
 
 def finish(t: Trainer) -> None:
-    """The final model in RUN_DIR/model (rank 0), and the debug dump every rank writes if asked."""
+    """The final model in RUN_DIR/model (rank 0), and the debug dump every rank writes if asked.
+
+    With ``train.final_model: best`` the model is the best checkpoint's (by STS-B valid); the last
+    step's weights stay in the newest checkpoint.
+    """
     if t.accelerator.is_main_process:
-        t.encoder.save_pretrained(t.cfg.run_dir / "model")
-        log.info("final model saved to %s", t.cfg.run_dir / "model")
+        target = t.cfg.run_dir / "model"
+        best = t.checkpointer.best() if t.cfg.train.final_model == "best" and t.checkpointer else None
+        if best is not None:
+            tmp = target.with_name(target.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(best / "model", tmp)
+            shutil.rmtree(target, ignore_errors=True)
+            tmp.rename(target)
+            log.info(
+                "final model = best checkpoint %s (STS-B valid %.2f at step %s), saved to %s",
+                best.name, t.state.best_metric, t.state.best_step, target,
+            )  # fmt: skip
+        else:
+            if t.cfg.train.final_model == "best":
+                log.warning(
+                    "train.final_model=best but no best checkpoint exists: saving the last step's weights"
+                )
+            t.encoder.save_pretrained(target)
+            log.info("final model saved to %s", target)
     if t.cfg.train.debug_dump:
         write_debug_dump(t)
     dist.barrier()
