@@ -1,0 +1,74 @@
+"""benchmarks/quality.py: every trained condition gets the same compute, and the table reports it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "quality.py"
+
+
+@pytest.fixture(scope="module")
+def quality():
+    spec = importlib.util.spec_from_file_location("quality", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "quality", module)  # dataclasses look their module up by name
+        spec.loader.exec_module(module)
+        yield module
+
+
+def _args(tmp_path, **kw):
+    base = dict(shards=tmp_path, sequences=192, eval_every=50, select_best=True, max_pairs=2000, eval_seed=0)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def _option(command, key):
+    found = [c.split("=", 1)[1] for c in command if c.startswith(f"--{key}=")]
+    return found[-1]  # the last occurrence wins, as in the config loader
+
+
+def test_every_trained_condition_encodes_the_same_sequences_per_step(quality, tmp_path):
+    args = _args(tmp_path)
+    trained = [c for c in quality.all_conditions().values() if c.kind == "train"]
+    assert {"simcse", "luse", "default"} <= {c.name for c in trained}
+    for cond in trained:
+        command = quality.train_command(args, cond, seed=1, out=tmp_path / cond.name, steps=200)
+        batch = int(_option(command, "train.global_batch_size"))
+        assert batch * cond.views == args.sequences, cond.name
+        assert _option(command, "train.max_steps") == "200"
+    simcse = quality.all_conditions()["simcse"]
+    assert _option(quality.train_command(args, simcse, 1, tmp_path, 10), "objective.name") == "simcse"
+    assert simcse.views == 2
+
+
+def test_the_default_condition_follows_the_shipped_config(quality):
+    import yaml
+
+    cfg = yaml.safe_load(quality.DEFAULT_CONFIG.read_text(encoding="utf-8"))
+    default = quality.all_conditions()["default"]
+    assert default.views == 1 + cfg["data"]["num_variants"] + cfg["data"]["num_dropout_views"]
+    assert default.overrides == ()  # the README's configuration as it is
+
+
+def test_a_queue_that_is_not_a_multiple_of_the_batch_is_refused(quality, tmp_path):
+    cond = quality.luse("odd", "odd", k=4, d=1, queue=100, momentum=0.0)
+    with pytest.raises(SystemExit, match="multiple"):
+        quality.train_command(_args(tmp_path), cond, 1, tmp_path, 10)
+    with pytest.raises(SystemExit, match="multiple"):
+        quality.batch_for(_args(tmp_path, sequences=100), quality.all_conditions()["luse"])
+
+
+def test_table_reports_mean_and_std_over_seeds(quality, tmp_path):
+    rows = [
+        {"avg5": 30.0, "ATEC": 1.0, "best_step": 50.0, "loss": 1.5},
+        {"avg5": 32.0, "ATEC": 3.0, "best_step": 100.0, "loss": 1.7},
+    ]
+    text = quality.table({"luse": rows}, quality.all_conditions(), _args(tmp_path))
+    line = text.splitlines()[-1]
+    assert "31.00 ± 1.41" in line and "2.00 ± 1.41" in line and "50/100" in line and "32 × 6" in line
+    assert quality.mean_std([float("nan")]) == "–"
