@@ -206,6 +206,11 @@ def test_resolve_checkpoints_and_runs(tiny_model, tmp_path):  # noqa: F811
     assert resolve.describe(resolve.resolve(str(ckpt)))["step"] == 10
     assert resolve.resolve(str(tiny_model)).kind == "model"
     assert resolve.resolve("someone/some-model").kind == "hub"
+    # a finished run also holds its final model/: --checkpoint latest|best must still be honoured
+    shutil.copytree(tiny_model, run / "model")
+    assert resolve.resolve(str(run), which="best").checkpoint_dir.name == "step-00000010"
+    assert resolve.resolve(str(run)).checkpoint_dir.name == "step-00000020"
+    assert resolve.resolve(str(run / "model")).kind == "model"
 
 
 def test_eval_default_out_is_inside_the_checkpoint(tiny_model, tmp_path):  # noqa: F811

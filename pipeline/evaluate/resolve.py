@@ -118,7 +118,10 @@ def resolve(spec: str | Path, which: Which = "latest", skeleton: Path | None = N
         raise InputError(f"{text} is a file; give a model folder, checkpoint, run directory or Hub name")
     if (path / ENCODER_FILE).is_file():
         return Resolved(text, "model", path)
-    if (path / "model").is_dir() or (path / "checkpoint.json").is_file():
+    # A run directory has a model/ too (the final model); its checkpoints/ pointer decides, so that
+    # --checkpoint latest|best is honoured.
+    is_run = (path / "checkpoints").is_dir() and not (path / "checkpoint.json").is_file()
+    if not is_run and ((path / "model").is_dir() or (path / "checkpoint.json").is_file()):
         run = path.parent.parent if path.parent.name == "checkpoints" else None
         return Resolved(text, "checkpoint", _checkpoint_model(path), checkpoint_dir=path, run_dir=run)
     if is_zero_checkpoint(path):
