@@ -199,7 +199,7 @@ def run_one(args: argparse.Namespace, cond: Condition, seed: int) -> dict[str, f
     last = out / "eval_last" / "eval.json"
     if cond.kind == "train" and args.select_best and not last.is_file():
         # The best checkpoint is what the run exports; the last step shows where training was heading.
-        command = eval_command(args, out, last.parent, "[sts]") + ["--checkpoint=latest"]
+        command = eval_command(args, out, last.parent) + ["--checkpoint=latest"]
         subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env=quiet_env())
     return scores(out, cond)
 
@@ -213,8 +213,9 @@ def scores(out: Path, cond: Condition) -> dict[str, float]:
         row["probe_acc"], row["probe_f1"] = data["probe"]["accuracy"], data["probe"]["macro_f1"]
     last = out / "eval_last" / "eval.json"
     if last.is_file():
-        at_last = json.loads(last.read_text(encoding="utf-8"))["sts"]["model"]
-        row["avg5_last"] = statistics.mean(at_last[s] for s in STS_SETS)
+        at_last = json.loads(last.read_text(encoding="utf-8"))
+        row["avg5_last"] = statistics.mean(at_last["sts"]["model"][s] for s in STS_SETS)
+        row["probe_acc_last"] = at_last["probe"]["accuracy"]
     metrics = out / "metrics.jsonl"
     if metrics.is_file():
         logged = [
@@ -249,7 +250,7 @@ def mean_std(values: list[float], digits: int = 2) -> str:
 def table(
     results: dict[str, list[dict[str, float]]], conditions: dict[str, Condition], args: argparse.Namespace
 ) -> str:
-    cols = ["avg5", *STS_SETS, "probe_acc", "avg5_last", "best_step", "loss", "uniformity"]
+    cols = ["avg5", *STS_SETS, "probe_acc", "avg5_last", "probe_acc_last", "best_step", "loss", "uniformity"]
     lines = [
         "| condition | batch × views | seeds | " + " | ".join(cols) + " |",
         "| --- " * (len(cols) + 3) + "|",
@@ -268,6 +269,24 @@ def table(
                 cells.append(mean_std(values, 3 if c in ("loss", "uniformity") else 2))
         lines.append(f"| {cond.label} | {shape} | {len(rows)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------- whitening
+def run_whitening(args: argparse.Namespace, cond: Condition) -> None:
+    """Raw vs BERT-whitened avg5 of one condition's exported models (whitening fitted on corpus text)."""
+    raw, white = [], []
+    for seed in args.seeds:
+        out = run_dir(args, cond, seed)
+        target = out / "eval_whitened"
+        if not (target / "eval.json").is_file():
+            command = eval_command(args, out / "model", target, "[sts]") + ["--whitening"]
+            subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env=quiet_env())
+        sts = json.loads((target / "eval.json").read_text(encoding="utf-8"))["sts"]
+        raw.append(statistics.mean(sts["model"][s] for s in STS_SETS))
+        white.append(statistics.mean(sts["model_whitened"][s] for s in STS_SETS))
+        per_set = " ".join(f"{s} {sts['model_whitened'][s]:.2f}" for s in STS_SETS)
+        print(f"{cond.name} seed={seed}: avg5 raw {raw[-1]:.2f} whitened {white[-1]:.2f} ({per_set})")
+    print(f"{cond.label}: avg5 raw {mean_std(raw)}, whitened {mean_std(white)} over seeds {args.seeds}")
 
 
 # ------------------------------------------------------------------------------------------- curve
@@ -403,6 +422,7 @@ def main() -> None:
         help="train the default once for this many steps and score checkpoints",
     )
     p.add_argument("--curve-every", type=int, default=100, help="checkpoint interval of --curve")
+    p.add_argument("--whitening", default=None, help="score this condition's models raw and whitened")
     p.add_argument("--plots", type=Path, default=None, help="draw figures from the results into this folder")
     p.add_argument(
         "--after",
@@ -422,6 +442,9 @@ def main() -> None:
         return
     if args.curve:
         run_curve(args)
+        return
+    if args.whitening:
+        run_whitening(args, conditions[args.whitening])
         return
     names = args.conditions or list(conditions)
     unknown = [n for n in names if n not in conditions]

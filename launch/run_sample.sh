@@ -14,8 +14,13 @@ export TOKENIZERS_PARALLELISM=false
 if [ ! -f "$OUT/shards/manifest.json" ]; then
   "$PY" -m pipeline preprocess --out "$OUT/shards" --sentences_per_shard 8000 --rows_per_block 1000
 fi
+# Augmented shards of an older sample job with another variant count (20 s to redo) are replaced.
+if [ -f "$OUT/augmented/manifest.json" ] && ! grep -qs '"num_variants": 4,' "$OUT/augmented/manifest.json"; then
+  echo "run_sample: $OUT/augmented caches another number of EDA variants; augmenting again" >&2
+  rm -rf "$OUT/augmented"
+fi
 if [ ! -f "$OUT/augmented/manifest.json" ]; then
-  "$PY" -m pipeline augment --shards "$OUT/shards" --out "$OUT/augmented" --num_variants 2 --workers 2
+  "$PY" -m pipeline augment --shards "$OUT/shards" --out "$OUT/augmented" --num_variants 4 --workers 2
 fi
 
 TRAIN_ARGS=(--config launch/configs/default.yaml --data.shards="$OUT/augmented" --run_dir="$OUT/train" "$@")
@@ -26,8 +31,9 @@ else
   "$PY" launch/pretrain.py "${TRAIN_ARGS[@]}"
 fi
 
-# STS on at most 2000 pairs per set keeps the sample job in minutes; drop both options for the full
-# suite. Results go beside the run (not into model/, which is what gets exported).
-"$PY" -m pipeline eval "$OUT/train/model" --suite sts --max_pairs 2000 --out "$OUT/train/eval"
+# STS on at most 2000 pairs per set keeps the sample job in minutes (drop --max_pairs for the full
+# suite), with the char TF-IDF floor on the same pairs beside it. Results go beside the run (not into
+# model/, which is what gets exported).
+"$PY" -m pipeline eval "$OUT/train/model" --suite "[sts, tfidf]" --max_pairs 2000 --out "$OUT/train/eval"
 # Loss/eval curves and the cosine-per-label picture, embedded in $OUT/train/report/report.md.
 "$PY" -m pipeline report "$OUT/train"
