@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "projection.py"
+from _scripts import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def projection():
-    spec = importlib.util.spec_from_file_location("projection", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "projection", module)  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
+    with benchmark_module("projection") as module:
         yield module
 
 

@@ -3,22 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "quality.py"
+from _scripts import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def quality():
-    spec = importlib.util.spec_from_file_location("quality", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "quality", module)  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
+    with benchmark_module("quality") as module:
         yield module
 
 
