@@ -35,5 +35,6 @@ fi
 # suite), with the char TF-IDF floor on the same pairs beside it. Results go beside the run (not into
 # model/, which is what gets exported).
 "$PY" -m pipeline eval "$OUT/train/model" --suite "[sts, tfidf]" --max_pairs 2000 --out "$OUT/train/eval"
-# Loss/eval curves and the cosine-per-label picture, embedded in $OUT/train/report/report.md.
-"$PY" -m pipeline report "$OUT/train"
+# Loss/eval curves and the cosine-per-label picture of the exported (best) checkpoint, embedded in
+# $OUT/train/report/report.md.
+"$PY" -m pipeline report "$OUT/train" --select best
