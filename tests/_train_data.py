@@ -81,3 +81,16 @@ def make_shards(
     manifest = new_manifest("augment", {"num_variants": num_variants}, entries, counts={})
     atomic_write_json(directory / "manifest.json", manifest)
     return ids
+
+
+def run_and_dump(cfg) -> dict:
+    """Train ``cfg`` in this process (fresh Accelerate state) and return rank 0's debug dump."""
+    import json
+
+    from accelerate.state import AcceleratorState
+
+    from pipeline.train.run import run
+
+    AcceleratorState._reset_state(True)
+    assert run(cfg) == 0
+    return json.loads((cfg.run_dir / "debug" / "rank0.json").read_text())

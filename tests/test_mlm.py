@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from _train_data import make_shards, sample_sentences
+from _train_data import make_shards, run_and_dump, sample_sentences
 from safetensors import safe_open
 
 from pipeline.config import load_config
@@ -215,17 +215,11 @@ def test_debug_run_logs_both_losses_learns_and_exports_no_head(tmp_path, shards)
 @pytest.mark.slow
 def test_resume_with_mlm_is_exact(tmp_path, shards):
     """3 steps, stop, resume to 6 == 6 steps uninterrupted, with the MLM head and masks in play."""
-    from accelerate.state import AcceleratorState
-
-    from pipeline.train.run import run
-
     common = {"objective.momentum": 0.9, "train.debug_dump": True}
 
     def go(run_dir, steps):
-        AcceleratorState._reset_state(True)
-        cfg = debug_cfg(tmp_path, shards, **{**common, "run_dir": str(run_dir), "train.max_steps": steps})
-        assert run(cfg) == 0
-        return json.loads((run_dir / "debug" / "rank0.json").read_text())
+        overrides = {**common, "run_dir": str(run_dir), "train.max_steps": steps}
+        return run_and_dump(debug_cfg(tmp_path, shards, **overrides))
 
     full = go(tmp_path / "full", 6)
     go(tmp_path / "split", 3)

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from _train_data import make_shards, sample_sentences
+from _train_data import make_shards, run_and_dump, sample_sentences
 
 from pipeline.config import load_config
 from pipeline.model import SentenceEncoder
@@ -199,17 +199,11 @@ def test_supervised_objectives_train(tmp_path, objective):
 @pytest.mark.slow
 def test_resume_continues_exactly(tmp_path, shards):
     """3 steps, stop, resume to 6 == 6 steps uninterrupted (queue, momentum encoder, cursor, RNG)."""
-    from accelerate.state import AcceleratorState
-
-    from pipeline.train.run import run
-
     common = {"objective.momentum": 0.9, "train.debug_dump": True, "train.eval_max_pairs": 16}
 
     def go(run_dir, steps):
-        AcceleratorState._reset_state(True)
-        cfg = debug_cfg(tmp_path, shards, **{**common, "run_dir": str(run_dir), "train.max_steps": steps})
-        assert run(cfg) == 0
-        return json.loads((run_dir / "debug" / "rank0.json").read_text())
+        overrides = {**common, "run_dir": str(run_dir), "train.max_steps": steps}
+        return run_and_dump(debug_cfg(tmp_path, shards, **overrides))
 
     full = go(tmp_path / "full", 6)
     go(tmp_path / "split", 3)
