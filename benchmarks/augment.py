@@ -26,16 +26,9 @@ import pyarrow as pa
 
 from pipeline.augment import run as augment
 from pipeline.augment import vector_synonyms as vs
+from pipeline.io import atomic_write_json
 from pipeline.resources import SAMPLE_CORPUS
-from pipeline.shards import (
-    BASE_SCHEMA,
-    atomic_write_json,
-    new_manifest,
-    read_manifest,
-    sentence_id,
-    shard_name,
-    write_shard,
-)
+from pipeline.shards import BASE_SCHEMA, new_manifest, read_manifest, sentence_id, shard_name, write_shard
 
 
 # --------------------------------------------------------------------------------------------- EDA input

@@ -31,10 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import load_config  # noqa: E402
 from pipeline.data.stream import BatchStream, ShardSource, ViewCollator, index_shards  # noqa: E402
+from pipeline.io import atomic_write_json  # noqa: E402
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer  # noqa: E402
 from pipeline.model.vocab import write_vocab  # noqa: E402
 from pipeline.resources import SAMPLE_CORPUS  # noqa: E402
-from pipeline.shards import atomic_write_json, new_manifest, sentence_id, shard_name, write_shard  # noqa: E402
+from pipeline.shards import new_manifest, sentence_id, shard_name, write_shard  # noqa: E402
 from pipeline.train.config import Config  # noqa: E402
 
 SCHEMA = pa.schema(

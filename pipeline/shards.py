@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
-import os
 import tarfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -25,6 +23,7 @@ import pyarrow as pa
 
 from pipeline import __version__
 from pipeline.errors import InputError
+from pipeline.io import atomic_write, file_problem, read_json, sha256_file
 
 FORMAT = "sentence-shards"
 FORMAT_VERSION = 1
@@ -48,40 +47,6 @@ def shard_name(index: int) -> str:
 def sentence_id(text: str) -> int:
     """A stable 64-bit id for a sentence: the same text has the same id in every run and stage."""
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
-
-
-# --------------------------------------------------------------------------------------------- files
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------- blocks
@@ -110,20 +75,19 @@ def _tar_member(name: str, size: int) -> tarfile.TarInfo:
 def write_shard(path: str | Path, blocks: Iterable[pa.Table], shard_index: int) -> dict[str, Any]:
     """Write ``blocks`` (one Arrow table each) as shard ``path``; return its manifest entry."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     samples = sentences = 0
-    with open(tmp, "wb") as raw:
-        with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+
+    def write(tmp: Path) -> None:
+        nonlocal samples, sentences
+        with tarfile.open(tmp, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for block_index, table in enumerate(blocks):
                 data = table_to_ipc(table)
                 member = _tar_member(f"{shard_index:06d}-{block_index:06d}.{BLOCK_EXT}", len(data))
                 tar.addfile(member, io.BytesIO(data))
                 samples += 1
                 sentences += table.num_rows
-        raw.flush()
-        os.fsync(raw.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+
+    atomic_write(path, write)
     return {
         "name": path.name,
         "samples": samples,
@@ -180,17 +144,15 @@ def new_manifest(stage: str, config: dict[str, Any], shards: list[dict[str, Any]
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:
-    directory = Path(directory)
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise InputError(
-            f"{path} not found: point to a directory written by `python -m pipeline preprocess` "
-            "or `augment` (it has a manifest.json)"
-        )
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path} is not valid JSON ({exc}); re-run the stage that wrote it") from None
+    path = Path(directory) / MANIFEST
+    manifest = read_json(
+        path,
+        "manifest",
+        "point to a directory written by `python -m pipeline preprocess` or `augment`, or re-run the "
+        "stage that wrote it",
+    )
+    if not isinstance(manifest, dict):
+        raise InputError(f"{path} is not a {FORMAT} manifest (not a JSON object)")
     if manifest.get("format") != FORMAT:
         raise InputError(f"{path} is not a {FORMAT} manifest")
     if manifest.get("format_version", 0) > FORMAT_VERSION:
@@ -204,19 +166,10 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
 def verify_shard(directory: str | Path, entry: dict[str, Any]) -> Path:
     """Check one shard's size and sha256 against its manifest entry; return its path."""
     path = Path(directory) / entry["name"]
-    if not path.is_file():
-        raise InputError(f"shard {path} listed in the manifest is missing")
-    size = path.stat().st_size
-    if size != entry["bytes"]:
+    problem = file_problem(path, entry["bytes"], entry["sha256"])
+    if problem:
         raise InputError(
-            f"shard {path} has {size} bytes, the manifest says {entry['bytes']}: "
-            "it was modified or truncated; re-create it"
-        )
-    digest = sha256_file(path)
-    if digest != entry["sha256"]:
-        raise InputError(
-            f"shard {path} fails its sha256 check against {Path(directory) / MANIFEST}: "
-            "it was modified or corrupted; re-create it"
+            f"shard {path} {problem} against {Path(directory) / MANIFEST}: re-create it (rerun the stage)"
         )
     return path
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from pipeline.io import atomic_write_json
 from pipeline.resources import SAMPLE_CORPUS
-from pipeline.shards import atomic_write_json, new_manifest, sentence_id, shard_name, write_shard
+from pipeline.shards import new_manifest, sentence_id, shard_name, write_shard
 
 SCHEMA = pa.schema(
     [

@@ -16,15 +16,14 @@ from pipeline.augment.run import WORK_DIR, Config
 from pipeline.augment.run import run as augment
 from pipeline.cli import build_config
 from pipeline.errors import ConfigError, InputError
+from pipeline.io import atomic_write_json, sha256_file
 from pipeline.resources import SAMPLE_CORPUS
 from pipeline.shards import (
     BASE_SCHEMA,
-    atomic_write_json,
     new_manifest,
     read_manifest,
     read_shard,
     sentence_id,
-    sha256_file,
     shard_name,
     write_shard,
 )

@@ -123,7 +123,7 @@ def test_restart_skips_finished_chunks(data, tmp_path, monkeypatch):
     words, _, text, _ = data
     clean = build(tmp_path, text, name="clean.parquet", chunk_size=300)
     writes = []
-    real_write = vs._write_parquet
+    real_write = vs.atomic_write_parquet
 
     def failing_write(path, table):
         if path.name.startswith("part-") and len(writes) == 2:
@@ -131,11 +131,11 @@ def test_restart_skips_finished_chunks(data, tmp_path, monkeypatch):
         writes.append(path.name)
         real_write(path, table)
 
-    monkeypatch.setattr(vs, "_write_parquet", failing_write)
+    monkeypatch.setattr(vs, "atomic_write_parquet", failing_write)
     with pytest.raises(KeyboardInterrupt):
         build(tmp_path, text, chunk_size=300)
     assert sorted(p.name for p in (tmp_path / "cache.parquet.parts").glob("part-*")) == writes
-    monkeypatch.setattr(vs, "_write_parquet", real_write)
+    monkeypatch.setattr(vs, "atomic_write_parquet", real_write)
     searched = []
     real_neighbours = vs.neighbours
     monkeypatch.setattr(

@@ -38,7 +38,7 @@ def test_read_pair_file_tsv_and_jsonl(tmp_path):
 @pytest.mark.parametrize(
     "name, text, message",
     [
-        ("bad.tsv", "a\tb\t1\na\tb\n", r"bad.tsv:2: expected 3 tab-separated fields"),
+        ("bad.tsv", "a\tb\t1\na\tb\n", r"bad.tsv:2: expected 3 tab-separated columns"),
         ("bad.tsv", "a\tb\t1\na\tb\tyes\n", r"bad.tsv:2: label 'yes' is not a number"),
         (
             "bad.jsonl",

@@ -14,10 +14,11 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.errors import InputError
+from pipeline.io import sha256_file
 from pipeline.resources import SAMPLE_CORPUS
 from pipeline.search import SearchIndex, backend
 from pipeline.search.reduction import Reduction, fit_pca
-from pipeline.shards import sentence_id, sha256_file
+from pipeline.shards import sentence_id
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -415,7 +416,8 @@ def test_index_input_errors_are_one_line(tiny_model, flat_index, sentences, tmp_
 def write_shards(directory: Path, texts: list[str]) -> None:
     import pyarrow as pa
 
-    from pipeline.shards import BASE_SCHEMA, atomic_write_json, new_manifest, shard_name, write_shard
+    from pipeline.io import atomic_write_json
+    from pipeline.shards import BASE_SCHEMA, new_manifest, shard_name, write_shard
 
     directory.mkdir(parents=True)
     entries = []

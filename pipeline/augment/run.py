@@ -28,16 +28,9 @@ from pipeline.augment.eda import OPS, Augmenter, EdaParams, parse_op
 from pipeline.augment.synonyms import load_cilin, load_stopwords, load_vector_cache
 from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError, InputError
+from pipeline.io import atomic_write_json, sha256_file
 from pipeline.resources import CILIN
-from pipeline.shards import (
-    MANIFEST,
-    atomic_write_json,
-    read_manifest,
-    read_shard,
-    sha256_file,
-    verify_shard,
-    write_shard,
-)
+from pipeline.shards import MANIFEST, read_manifest, read_shard, verify_shard, write_shard
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from pipeline.errors import InputError
-from pipeline.shards import sha256_file
+from pipeline.io import sha256_file
 
 # A Cilin line: an 8-character code (7 letters/digits + the relation mark) then space-separated words.
 _CILIN_LINE = re.compile(r"^([A-Za-z0-9]{7})([=#@])\s+(.+?)\s*$")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import mmap
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ import pyarrow.parquet as pq
 
 from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError, InputError
-from pipeline.shards import atomic_write_json, fsync_dir
+from pipeline.io import atomic_write, atomic_write_json, atomic_write_parquet
 
 log = logging.getLogger(__name__)
 
@@ -295,9 +294,7 @@ def build_index(cfg: Config, matrix: np.ndarray, saved: Path | None = None) -> t
         index.add(matrix)
         if saved is not None and cfg.index != "flat":
             cpu_index = faiss.index_gpu_to_cpu(index) if gpu else index
-            tmp = saved.with_name(f".{saved.name}.tmp-{os.getpid()}")
-            faiss.write_index(cpu_index, str(tmp))
-            os.replace(tmp, saved)
+            atomic_write(saved, lambda tmp: faiss.write_index(cpu_index, str(tmp)))
     if cfg.index == "ivf" and gpu:
         faiss.GpuParameterSpace().set_index_parameter(index, "nprobe", params["nprobe"])
     elif cfg.index == "ivf":
@@ -375,15 +372,6 @@ def _fingerprint(cfg: Config, vectors: Vectors) -> dict[str, Any]:
     }
 
 
-def _write_parquet(path: Path, table: pa.Table) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp, compression="zstd")
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def _part_table(words: list[str], start: int, ids: list[np.ndarray], scores: list[np.ndarray]) -> pa.Table:
     return pa.table(
         {
@@ -443,7 +431,8 @@ def run(cfg: Config) -> int:
                 ids += batch_ids
                 scores += batch_scores
                 bar.update(e - b)
-            _write_parquet(parts / f"part-{i:06d}.parquet", _part_table(vectors.words, start, ids, scores))
+            part = _part_table(vectors.words, start, ids, scores)
+            atomic_write_parquet(parts / f"part-{i:06d}.parquet", part)
         bar.close()
     else:
         params = json.loads((parts / "index.json").read_text(encoding="utf-8"))
@@ -451,7 +440,7 @@ def run(cfg: Config) -> int:
     with_synonyms = int(_count_nonempty(table))
     metadata = fingerprint | {"search": params, "words_with_synonyms": with_synonyms}
     table = table.replace_schema_metadata({METADATA_KEY: json.dumps(metadata, ensure_ascii=False)})
-    _write_parquet(cfg.out, table)
+    atomic_write_parquet(cfg.out, table)
     shutil.rmtree(parts, ignore_errors=True)
     log.info("wrote %s: %d words, %d with synonyms (cosine >= %s)", cfg.out, n, with_synonyms, cfg.threshold)
     return 0

@@ -1,11 +1,13 @@
-"""Readers for the supervised objectives' files: scored or labelled pairs, and NLI triples.
+"""The one reader of pair and triple files: supervised objectives, STS evaluation, hard-negative mining.
 
 Formats, chosen by the file suffix:
 
 * ``.tsv`` / ``.txt``: tab-separated, UTF-8, no header. Pairs: ``text_a<TAB>text_b<TAB>label``
-  (the bundled ``pipeline/resources/eval/STS-B.train.tsv`` is one); triples:
-  ``anchor<TAB>positive<TAB>negative``.
-* ``.jsonl``: one JSON object per line. Pairs: ``{"sentence1", "sentence2", "label"}``; triples:
+  (the bundled ``pipeline/resources/eval/*.tsv`` are such files); with ``require_label=False`` the
+  label column may be left out. Triples: ``anchor<TAB>positive<TAB>negative``.
+* ``.jsonl`` / ``.json``: one JSON object per line. Pairs: ``{"sentence1", "sentence2", "label"}``,
+  each key with aliases (:data:`PAIR_KEYS`: ``text1``/``text2``/``score``, ``anchor``/``positive``,
+  ``query``/``pos``); a list of strings as the second text is one pair per element. Triples:
   ``{"anchor", "positive", "negative"}``. Other keys are ignored.
 
 Texts are stripped of surrounding whitespace. Labels are numbers (a graded score for CoSENT, a class
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,20 +36,28 @@ from pipeline.errors import InputError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NLI_LABELS", "Pair", "Triple", "read_pairs", "read_triples"]
+__all__ = ["NLI_LABELS", "PAIR_KEYS", "Pair", "Triple", "read_pairs", "read_triples"]
 
 # Sentence-transformers' AllNLI class order, for ``label_map`` with the SBERT classifier.
 NLI_LABELS: dict[str, int] = {"contradiction": 0, "entailment": 1, "neutral": 2}
 
 TSV_SUFFIXES = (".tsv", ".txt")
-JSONL_SUFFIXES = (".jsonl",)
+JSONL_SUFFIXES = (".jsonl", ".json")
+
+# JSONL keys of a pair, first the name used in messages, then its accepted aliases.
+PAIR_KEYS: tuple[tuple[str, ...], ...] = (
+    ("sentence1", "text1", "text_a", "anchor", "query"),
+    ("sentence2", "text2", "text_b", "positive", "pos"),
+    ("label", "score"),
+)
+TRIPLE_KEYS: tuple[tuple[str, ...], ...] = (("anchor",), ("positive",), ("negative",))
 
 
 @dataclass(frozen=True)
 class Pair:
     text_a: str
     text_b: str
-    label: float
+    label: float | None  # None only when read with require_label=False from a file without labels
 
 
 @dataclass(frozen=True)
@@ -93,26 +104,32 @@ def _label(value: Any, label_map: Mapping[str, float] | None) -> float:
     return number
 
 
-def _tsv_fields(line: str, names: tuple[str, ...]) -> list[str]:
-    fields = line.split("\t")
-    if len(fields) != len(names):
-        raise _BadRecord(
-            f"expected {len(names)} tab-separated columns ({', '.join(names)}), got {len(fields)}"
-        )
-    return fields
+def _tsv_fields(line: str, names: tuple[str, ...], optional: int = 0) -> list[Any]:
+    """The columns of a TSV line; the last ``optional`` of ``names`` may be missing (read as None)."""
+    fields: list[Any] = line.split("\t")
+    required = len(names) - optional
+    if not required <= len(fields) <= len(names):
+        count = f"{required} or {len(names)}" if optional else f"{len(names)}"
+        columns = ", ".join(names[:required]) + "".join(f"[, {name}]" for name in names[required:])
+        raise _BadRecord(f"expected {count} tab-separated columns ({columns}), got {len(fields)}")
+    return fields + [None] * (len(names) - len(fields))
 
 
-def _json_fields(line: str, names: tuple[str, ...]) -> list[Any]:
+def _json_fields(line: str, keys: tuple[tuple[str, ...], ...], optional: int = 0) -> list[Any]:
+    """The values of a JSONL line under ``keys`` (each: name, aliases...); the last ``optional`` may lack."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         raise _BadRecord(f"not valid JSON ({exc.msg})") from None
     if not isinstance(record, dict):
         raise _BadRecord(f"expected a JSON object, got {type(record).__name__}")
-    missing = [name for name in names if name not in record]
+    values = [next((record[alias] for alias in aliases if alias in record), None) for aliases in keys]
+    required = len(keys) - optional
+    missing = [aliases for aliases, value in zip(keys[:required], values) if value is None]
     if missing:
-        raise _BadRecord(f"missing key(s) {', '.join(missing)}; expected {', '.join(names)}")
-    return [record[name] for name in names]
+        named = ", ".join(a[0] + (f" (or {', '.join(a[1:])})" if a[1:] else "") for a in missing)
+        raise _BadRecord(f"missing key(s) {named}; expected {', '.join(a[0] for a in keys)}")
+    return values
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -127,19 +144,22 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
 
 def _read(
     path: str | Path,
-    names: dict[str, tuple[str, ...]],
-    build: Callable[[list[Any]], T],
+    tsv_names: tuple[str, ...],
+    json_keys: tuple[tuple[str, ...], ...],
+    build: Callable[[list[Any]], list[T]],
     strict: bool,
     kind: str,
+    optional: int = 0,
+    counts: Counter | None = None,
 ) -> list[T]:
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{kind} file {path} does not exist")
     suffix = path.suffix.lower()
     if suffix in TSV_SUFFIXES:
-        split, columns = _tsv_fields, names["tsv"]
+        split, columns = _tsv_fields, tsv_names
     elif suffix in JSONL_SUFFIXES:
-        split, columns = _json_fields, names["jsonl"]
+        split, columns = _json_fields, json_keys
     else:
         raise InputError(f"{path}: unknown {kind} format {suffix!r}; use .tsv, .txt or .jsonl")
 
@@ -151,7 +171,7 @@ def _read(
             blank += 1
             continue
         try:
-            records.append(build(split(line, columns)))
+            records.extend(build(split(line, columns, optional)))
         except _BadRecord as exc:
             problem = f"{path}:{number}: {exc}"
             if strict:
@@ -160,6 +180,8 @@ def _read(
                 ) from None
             skipped += 1
             first_problem = first_problem or problem
+    if counts is not None:
+        counts.update(blank=blank, bad_lines=skipped)
     if blank:
         logger.info("%s: skipped %d blank line(s)", path, blank)
     if skipped:
@@ -178,25 +200,34 @@ def _read(
 
 
 def read_pairs(
-    path: str | Path, strict: bool = True, label_map: Mapping[str, float] | None = None
+    path: str | Path,
+    strict: bool = True,
+    label_map: Mapping[str, float] | None = None,
+    require_label: bool = True,
+    counts: Counter | None = None,
 ) -> list[Pair]:
     """Sentence pairs with a numeric label from a ``.tsv``/``.txt`` or ``.jsonl`` file.
 
     ``label_map`` maps text labels to numbers (e.g. :data:`NLI_LABELS`); numeric labels pass as is.
+    ``require_label=False`` accepts lines without a label (``Pair.label`` is then None); a label that
+    is present must still be a number. ``counts``, if given, receives ``blank`` and ``bad_lines``.
     """
 
-    def build(fields: list[Any]) -> Pair:
-        return Pair(_text(fields[0], "text_a"), _text(fields[1], "text_b"), _label(fields[2], label_map))
+    def build(fields: list[Any]) -> list[Pair]:
+        text_a = _text(fields[0], "text_a")
+        label = None if fields[2] is None else _label(fields[2], label_map)
+        seconds = fields[1] if isinstance(fields[1], list) and fields[1] else [fields[1]]
+        return [Pair(text_a, _text(text_b, "text_b"), label) for text_b in seconds]
 
-    names = {"tsv": ("text_a", "text_b", "label"), "jsonl": ("sentence1", "sentence2", "label")}
-    return _read(path, names, build, strict, "pair")
+    names = ("text_a", "text_b", "label")
+    return _read(path, names, PAIR_KEYS, build, strict, "pair", 0 if require_label else 1, counts)
 
 
 def read_triples(path: str | Path, strict: bool = True) -> list[Triple]:
     """(anchor, positive, hard negative) triples from a ``.tsv``/``.txt`` or ``.jsonl`` file."""
 
-    def build(fields: list[Any]) -> Triple:
-        return Triple(_text(fields[0], "anchor"), _text(fields[1], "positive"), _text(fields[2], "negative"))
+    def build(fields: list[Any]) -> list[Triple]:
+        anchor, positive = _text(fields[0], "anchor"), _text(fields[1], "positive")
+        return [Triple(anchor, positive, _text(fields[2], "negative"))]
 
-    names = {"tsv": ("anchor", "positive", "negative"), "jsonl": ("anchor", "positive", "negative")}
-    return _read(path, names, build, strict, "triple")
+    return _read(path, ("anchor", "positive", "negative"), TRIPLE_KEYS, build, strict, "triple")

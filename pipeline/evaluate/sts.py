@@ -7,7 +7,6 @@ to vectors (a :class:`SentenceEncoder`, the TF-IDF baseline) is scored by the sa
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import numpy as np
 from scipy import sparse
 from scipy.stats import spearmanr
 
+from pipeline.data.pairs import read_pairs
 from pipeline.errors import InputError
 from pipeline.resources import EVAL_DIR
 
@@ -56,6 +56,13 @@ class PairSet:
         binary = set(np.unique(self.labels).tolist()) <= {0.0, 1.0}
         return self.labels >= (1.0 if binary else 4.0)
 
+    def first(self, max_pairs: int) -> PairSet:
+        """The first ``max_pairs`` pairs in file order; all if 0 or enough."""
+        if not max_pairs or len(self) <= max_pairs:
+            return self
+        n = max_pairs
+        return PairSet(self.name, self.sentence1[:n], self.sentence2[:n], self.labels[:n])
+
     def subsample(self, max_pairs: int | None, seed: int) -> PairSet:
         """A seeded random subset of ``max_pairs`` pairs (kept in file order); all if None or enough."""
         if max_pairs is None or len(self) <= max_pairs:
@@ -69,71 +76,16 @@ class PairSet:
         )
 
 
-def _jsonl_pair(line: str, where: str) -> tuple[str, str, float]:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{where}: not valid JSON ({exc.msg}); expected one pair object per line") from None
-    if not isinstance(row, dict):
-        raise InputError(f"{where}: expected a JSON object with sentence1, sentence2, label")
-    keys = (("sentence1", "text1", "text_a"), ("sentence2", "text2", "text_b"), ("label", "score"))
-    values = []
-    for names in keys:
-        found = next((row[k] for k in names if k in row), None)
-        if found is None:
-            raise InputError(f"{where}: missing field {names[0]!r} (or {', '.join(names[1:])})")
-        values.append(found)
-    return str(values[0]), str(values[1]), _label(values[2], where)
-
-
-def _label(value: Any, where: str) -> float:
-    try:
-        label = float(value)
-    except (TypeError, ValueError):
-        raise InputError(f"{where}: label {value!r} is not a number") from None
-    if not np.isfinite(label):
-        raise InputError(f"{where}: label {value!r} is not finite")
-    return label
-
-
 def read_pair_file(path: str | Path, name: str | None = None) -> PairSet:
-    """Read ``sentence1<TAB>sentence2<TAB>label`` (.tsv/.txt, no header) or JSONL (``.jsonl``/``.json``).
+    """A scored pair file (format and errors: :func:`pipeline.data.pairs.read_pairs`) as a PairSet.
 
-    JSONL objects take ``sentence1``/``sentence2``/``label`` (or ``text1``/``text2``/``score``). Blank
-    lines are skipped; any other malformed line is an error naming the file and line, never dropped.
-    A local reader: pipeline/data/pairs.py had not landed when this was written.
+    Spearman needs at least two distinct labels: a file with one label value is an error.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"pair file {path} does not exist")
-    is_json = path.suffix.lower() in (".jsonl", ".json")
-    s1, s2, labels = [], [], []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(f"pair file {path} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        if is_json:
-            a, b, label = _jsonl_pair(line, where)
-        else:
-            parts = line.rstrip("\r\n").split("\t")
-            if len(parts) != 3:
-                raise InputError(
-                    f"{where}: expected 3 tab-separated fields (sentence1, sentence2, label), "
-                    f"got {len(parts)}"
-                )
-            a, b, label = parts[0], parts[1], _label(parts[2], where)
-        s1.append(a)
-        s2.append(b)
-        labels.append(label)
-    if not labels:
-        raise InputError(f"pair file {path} holds no pairs")
-    if len(set(labels)) < 2:
+    pairs = read_pairs(path)
+    labels = np.asarray([p.label for p in pairs], dtype=np.float64)
+    if len(np.unique(labels)) < 2:
         raise InputError(f"pair file {path}: every label is {labels[0]}; Spearman needs at least two values")
-    return PairSet(name or path.stem, s1, s2, np.asarray(labels, dtype=np.float64))
+    return PairSet(name or Path(path).stem, [p.text_a for p in pairs], [p.text_b for p in pairs], labels)
 
 
 def load_sts_sets(names: Sequence[str] | None = None, eval_dir: Path = EVAL_DIR) -> list[PairSet]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import zipfile
 import zlib
 from collections import Counter
@@ -38,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.errors import InputError
+from pipeline.io import atomic_write, atomic_write_json, temporary_name
 from pipeline.preprocess.readers import SOURCES, Unit, iter_lines, line_number_base
 from pipeline.preprocess.text import clean_paragraphs, filter_sentences, has_control, split_sentences
 from pipeline.shards import BASE_SCHEMA, shard_name, write_shard
@@ -87,16 +87,9 @@ def read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def _tmp(path: Path) -> Path:
-    # pid alone is not unique across the nodes of a cluster (containers reuse small pids)
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-
-
 def write_json(path: Path, obj: dict[str, Any]) -> None:
     """Atomic (temporary name + rename) but not fsynced: see the module docstring."""
-    tmp = _tmp(path)
-    tmp.write_text(json.dumps(obj, sort_keys=True, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_json(path, obj, durable=False)
 
 
 def is_done(data_path: Path, json_path: Path) -> bool:
@@ -142,7 +135,7 @@ class _PartitionWriter:
     """Buffers kept sentences of one unit and writes them grouped by partition."""
 
     def __init__(self, path: Path, filters: Filters):
-        self.path, self.tmp, self.filters = path, _tmp(path), filters
+        self.path, self.tmp, self.filters = path, temporary_name(path), filters
         self.sink = pa.OSFile(str(self.tmp), "wb")
         self.writer = pa.ipc.new_file(self.sink, _SPLIT_SCHEMA, options=_IPC_OPTIONS)
         self.pending: list[pa.Table] = []
@@ -349,10 +342,12 @@ def dedup_partition(
     kept = table.take(final)
     del table
     out = pa.Table.from_arrays([kept["id"], kept["text"], source_names], schema=BASE_SCHEMA)
-    tmp = _tmp(arrow_path)
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, BASE_SCHEMA, options=_IPC_OPTIONS) as w:
-        w.write_table(out, max_chunksize=DEDUP_BATCH_ROWS)
-    os.replace(tmp, arrow_path)
+
+    def write(tmp: Path) -> None:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, BASE_SCHEMA, options=_IPC_OPTIONS) as w:
+            w.write_table(out, max_chunksize=DEDUP_BATCH_ROWS)
+
+    atomic_write(arrow_path, write, durable=False)
     result = {
         "partition": part,
         "rows_in": rows_in,

@@ -30,10 +30,11 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError, InputError
+from pipeline.io import atomic_write_json
 from pipeline.preprocess import passes
 from pipeline.preprocess.readers import COLLECTIONS, Unit, expand_inputs, plan_units
 from pipeline.resources import SAMPLE_CORPUS
-from pipeline.shards import MANIFEST, atomic_write_json, new_manifest, shard_name
+from pipeline.shards import MANIFEST, new_manifest, shard_name
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import InputError
-from pipeline.shards import fsync_dir
+from pipeline.io import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +121,7 @@ def set_search_params(index: Any, nprobe: int | None = None, ef_search: int | No
 
 def write_index(index: Any, path: Path) -> None:
     """faiss.write_index to a temporary name, fsync, rename: a killed build never leaves half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    faiss_module().write_index(index, str(tmp))
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    atomic_write(path, lambda tmp: faiss_module().write_index(index, str(tmp)))
 
 
 def read_index(path: Path) -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.shards import atomic_write_bytes, atomic_write_json
+from pipeline.io import atomic_write_bytes, atomic_write_json
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,6 @@ after a crash encodes only the missing chunks and produces the same index as an 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -20,12 +19,12 @@ from pipeline import __version__
 from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError, InputError
 from pipeline.evaluate.resolve import Resolved
+from pipeline.io import atomic_write_json, atomic_write_parquet
 from pipeline.search import layout
 from pipeline.search.backend import build_index, default_nlist, faiss_module, write_index
 from pipeline.search.chunks import ChunkStore
 from pipeline.search.corpus import Corpus, read_corpus
 from pipeline.search.reduction import Reduction, ReductionKind, fit_reduction
-from pipeline.shards import atomic_write_json, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -129,15 +128,9 @@ def index_params(cfg: Config, n: int) -> dict[str, Any]:
 
 def write_corpus(path: Path, corpus: Corpus) -> None:
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     table = pa.table({"id": pa.array(corpus.ids, pa.uint64()), "text": pa.array(corpus.texts, pa.string())})
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp, compression="zstd")
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    atomic_write_parquet(path, table)
 
 
 def check_out(out: Path, overwrite: bool) -> None:

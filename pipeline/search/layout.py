@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import InputError
-from pipeline.shards import sha256_file
+from pipeline.io import sha256_file
 
 FORMAT = "sentence-search-index"
 FORMAT_VERSION = 1

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import unicodedata
 from collections import Counter
 from dataclasses import dataclass
@@ -24,9 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.config import option
+from pipeline.data import pairs as pair_reader
 from pipeline.errors import ConfigError, InputError
+from pipeline.io import atomic_write_bytes
 from pipeline.search.api import SearchIndex
-from pipeline.shards import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -80,72 +80,17 @@ def normalize_text(text: str) -> str:
 
 # ---------------------------------------------------------------------------------------- input
 def read_pairs(path: Path, min_label: float | None, counts: Counter) -> list[tuple[str, str]]:
-    """(anchor, positive) pairs from TSV or JSONL; malformed lines are errors naming the line.
+    """(anchor, positive) pairs; format and errors: :func:`pipeline.data.pairs.read_pairs`.
 
-    Unlike :func:`pipeline.data.pairs.read_pairs` the label is optional: mining needs only pairs.
+    The label is optional (mining needs only pairs) unless ``min_label`` filters on it.
     """
-    if not path.is_file():
-        raise InputError(f"pairs file {path} does not exist")
-    jsonl = path.suffix in (".jsonl", ".json")
-    pairs: list[tuple[str, str]] = []
-    with open(path, encoding="utf-8", errors="strict") as f:
-        try:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    counts["blank"] += 1
-                    continue
-                for pair in (_jsonl_pairs if jsonl else _tsv_pairs)(
-                    line, f"{path}:{number}", min_label, counts
-                ):
-                    pairs.append(pair)
-        except UnicodeDecodeError as exc:
-            raise InputError(f"{path}: not valid UTF-8 ({exc.reason}); re-encode the file") from None
+    read = pair_reader.read_pairs(path, require_label=min_label is not None, counts=counts)
+    pairs = [(p.text_a, p.text_b) for p in read if min_label is None or p.label >= min_label]
+    counts["below_min_label"] = len(read) - len(pairs)
     counts["pairs"] = len(pairs)
     if not pairs:
-        raise InputError(f"{path} holds no usable pairs ({dict(counts)})")
+        raise InputError(f"{path} holds no pair with a label >= --min-label {min_label}")
     return pairs
-
-
-def _tsv_pairs(line: str, where: str, min_label: float | None, counts: Counter) -> list[tuple[str, str]]:
-    fields = line.rstrip("\r\n").split("\t")
-    if len(fields) < 2 or not fields[0].strip() or not fields[1].strip():
-        raise InputError(f"{where}: expected `anchor<TAB>positive`, got {line.strip()[:60]!r}")
-    if min_label is not None:
-        try:
-            label = float(fields[2])
-        except (IndexError, ValueError):
-            raise InputError(f"{where}: --min-label needs a numeric third column") from None
-        if label < min_label:
-            counts["below_min_label"] += 1
-            return []
-    return [(fields[0].strip(), fields[1].strip())]
-
-
-def _jsonl_pairs(line: str, where: str, min_label: float | None, counts: Counter) -> list[tuple[str, str]]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{where}: not valid JSON ({exc.msg})") from None
-    if not isinstance(record, dict):
-        raise InputError(f"{where}: expected a JSON object")
-    anchor = next((record[k] for k in ("anchor", "query", "sentence1") if k in record), None)
-    positives = next((record[k] for k in ("positive", "pos", "sentence2") if k in record), None)
-    if isinstance(positives, str):
-        positives = [positives]
-    if not isinstance(anchor, str) or not anchor.strip() or not isinstance(positives, list) or not positives:
-        raise InputError(
-            f'{where}: expected {{"anchor": str, "positive": str}} (or "query" and "pos": [str])'
-        )
-    if any(not isinstance(p, str) or not p.strip() for p in positives):
-        raise InputError(f"{where}: positives must be non-empty strings")
-    if min_label is not None:
-        label = record.get("label")
-        if isinstance(label, bool) or not isinstance(label, (int, float)):
-            raise InputError(f'{where}: --min-label needs a numeric "label"')
-        if label < min_label:
-            counts["below_min_label"] += 1
-            return []
-    return [(anchor.strip(), p.strip()) for p in positives]
 
 
 # ---------------------------------------------------------------------------------------- mining
@@ -211,22 +156,18 @@ def _filter(
 
 # ---------------------------------------------------------------------------------------- output
 def write_triples(path: Path, triples: list[tuple[str, str, str]], counts: Counter) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for anchor, positive, negative in triples:
-            if path.suffix == ".jsonl":
-                record = {"anchor": anchor, "positive": positive, "negative": negative}
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            else:
-                fields = [anchor, positive, negative]
-                if any("\t" in t or "\n" in t for t in fields):
-                    counts["tsv_tabs_replaced"] += 1  # a tab inside a sentence would shift the columns
-                    fields = [" ".join(t.split()) for t in fields]
-                f.write("\t".join(fields) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    lines = []
+    for anchor, positive, negative in triples:
+        if path.suffix == ".jsonl":
+            record = {"anchor": anchor, "positive": positive, "negative": negative}
+            lines.append(json.dumps(record, ensure_ascii=False))
+        else:
+            fields = [anchor, positive, negative]
+            if any("\t" in t or "\n" in t for t in fields):
+                counts["tsv_tabs_replaced"] += 1  # a tab inside a sentence would shift the columns
+                fields = [" ".join(t.split()) for t in fields]
+            lines.append("\t".join(fields))
+    atomic_write_bytes(path, "".join(line + "\n" for line in lines).encode("utf-8"))
 
 
 def run(cfg: Config) -> int:

@@ -33,6 +33,7 @@ from pipeline.data.stream import (
     index_shards,
 )
 from pipeline.errors import ConfigError
+from pipeline.evaluate.sts import read_pair_file
 from pipeline.losses import get_objective
 from pipeline.losses.mlm import MLMCollator, MLMHead
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
@@ -40,7 +41,7 @@ from pipeline.model.vocab import read_model_config, write_vocab
 from pipeline.resources import EVAL_DIR
 from pipeline.shards import read_shard, shard_paths
 from pipeline.train.config import UNSUPERVISED, Config, check_against_environment, resolve_path
-from pipeline.train.metrics import MetricsLogger, read_sts
+from pipeline.train.metrics import MetricsLogger
 from pipeline.train.schedule import LRSchedule
 
 log = logging.getLogger(__name__)
@@ -423,6 +424,6 @@ def build(cfg: Config) -> Trainer:
     build_checkpointing(cfg, trainer)
     resume(cfg, trainer)
     if accelerator.is_main_process:
-        trainer.sts_valid = read_sts(EVAL_DIR / "STS-B.valid.tsv", cfg.train.eval_max_pairs)
+        trainer.sts_valid = read_pair_file(EVAL_DIR / "STS-B.valid.tsv").first(cfg.train.eval_max_pairs)
     trainer.extra["start_time"] = time.time()
     return trainer

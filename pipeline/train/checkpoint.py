@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,7 +39,15 @@ import yaml
 
 from pipeline import __version__, distributed
 from pipeline.errors import ConfigError, InputError
-from pipeline.shards import atomic_write_bytes, fsync_dir, sha256_file
+from pipeline.io import (
+    atomic_write_bytes,
+    file_problem,
+    fsync_dir,
+    fsync_file,
+    fsync_tree,
+    sha256_file,
+    walk_files,
+)
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -156,28 +164,6 @@ def check_compatible(saved_config: Mapping[str, Any], config: Mapping[str, Any])
 
 
 # ------------------------------------------------------------------------------------------- files
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _walk_files(root: Path) -> Iterator[Path]:
-    for dirpath, _, filenames in os.walk(root):
-        for name in sorted(filenames):
-            yield Path(dirpath) / name
-
-
-def _fsync_tree(root: Path) -> None:
-    """Flush every file and directory under ``root`` to disk before the rename makes it visible."""
-    for path in _walk_files(root):
-        _fsync_file(path)
-    for dirpath, _, _ in os.walk(root):
-        fsync_dir(Path(dirpath))
-
-
 def _torch_save(obj: Any, path: Path) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
@@ -208,16 +194,9 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     if manifest.get("format") != CHECKPOINT_FORMAT or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not a {CHECKPOINT_FORMAT} manifest")
     for rel, entry in manifest["files"].items():
-        file = path / rel
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {path}: file {rel} is missing")
-        size = file.stat().st_size
-        if size != entry["bytes"]:
-            raise CheckpointError(
-                f"checkpoint {path}: {rel} has {size} bytes, the manifest says {entry['bytes']}"
-            )
-        if sha256_file(file) != entry["sha256"]:
-            raise CheckpointError(f"checkpoint {path}: {rel} does not match its sha256 (corrupt)")
+        problem = file_problem(path / rel, entry["bytes"], entry["sha256"])
+        if problem:
+            raise CheckpointError(f"checkpoint {path}: file {rel} {problem}")
     return manifest
 
 
@@ -343,8 +322,8 @@ class Checkpointer:
         """The DeepSpeed engine's own checkpoint (collective); every rank writes its ZeRO partition."""
         target = tmp / DEEPSPEED_DIR
         self.engine.save_checkpoint(str(target), tag=DEEPSPEED_TAG, save_latest=False)
-        for path in _walk_files(target):  # each rank flushes what it wrote (shared filesystems)
-            _fsync_file(path)
+        for path in walk_files(target):  # each rank flushes what it wrote (shared filesystems)
+            fsync_file(path)
         return {
             "zero_stage": int(self.engine.zero_optimization_stage()),
             "dp_world_size": _dp_size(self.engine),
@@ -362,10 +341,10 @@ class Checkpointer:
         rank_state_names: list[str],
         deepspeed_info: dict[str, Any] | None,
     ) -> None:
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         files = {
             path.relative_to(tmp).as_posix(): {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-            for path in _walk_files(tmp)
+            for path in walk_files(tmp)
         }
         manifest = {
             "format": CHECKPOINT_FORMAT,

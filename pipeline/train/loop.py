@@ -19,10 +19,11 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline import distributed as dist
+from pipeline.evaluate.sts import score_pairs
 from pipeline.losses.mlm import compute_loss as mlm_loss
 from pipeline.train.build import Trainer
 from pipeline.train.gradcache import chunked_forward_backward
-from pipeline.train.metrics import Throughput, alignment_uniformity, sts_spearman
+from pipeline.train.metrics import Throughput, alignment_uniformity
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ def evaluate(t: Trainer) -> float:
     """STS-B valid Spearman x100 on rank 0, broadcast to all (collective)."""
     score = None
     if t.accelerator.is_main_process:
-        score = sts_spearman(t.encoder, t.sts_valid)
+        score, _ = score_pairs(t.encoder.encode, t.sts_valid)
         t.metrics.log({"event": "eval", "step": t.state.step, "sts_b_valid_spearman": score}, t.state.step)
         log.info("step %d: STS-B valid Spearman %.2f", t.state.step, score)
     return float(dist.broadcast_object(score))

@@ -1,4 +1,4 @@
-"""Training metrics: the JSONL log, tensorboard scalars, batch statistics and the STS-B valid score."""
+"""Training metrics: the JSONL log, tensorboard scalars and batch statistics (STS: pipeline.evaluate.sts)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -75,23 +74,3 @@ class Throughput:
         rate = (samples_seen - self.samples0) / max(now - self.t0, 1e-9)
         self.t0, self.samples0 = now, samples_seen
         return rate
-
-
-def read_sts(path: Path, max_pairs: int = 0) -> tuple[list[str], list[str], np.ndarray]:
-    from pipeline.data.pairs import read_pairs
-
-    pairs = read_pairs(path)
-    if max_pairs:
-        pairs = pairs[:max_pairs]
-    return [p.text_a for p in pairs], [p.text_b for p in pairs], np.array([p.label for p in pairs])
-
-
-def sts_spearman(encoder: Any, sts: tuple[list[str], list[str], np.ndarray], batch_size: int = 128) -> float:
-    """Spearman correlation (x100) between the cosine of the two sides and the gold score."""
-    from scipy.stats import spearmanr
-
-    a_texts, b_texts, gold = sts
-    a = encoder.encode(a_texts, batch_size=batch_size)
-    b = encoder.encode(b_texts, batch_size=batch_size)
-    cosine = (a * b).sum(1)  # rows are L2-normalised
-    return float(spearmanr(cosine, gold).correlation * 100)

@@ -1,0 +1,141 @@
+"""Durable file writes and checksums, shared by every stage.
+
+A file written here is first written under a temporary name in the same directory, fsynced, renamed
+over the final name and the directory fsynced: a reader sees the old file or the whole new one, and a
+killed writer (or a power cut after the call returns) never leaves a partial file under the final name.
+The temporary name carries the pid and a random token because pids are not unique across the nodes of
+a cluster that share a file system.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import InputError
+
+__all__ = [
+    "atomic_write",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_parquet",
+    "file_problem",
+    "fsync_dir",
+    "fsync_file",
+    "fsync_tree",
+    "read_json",
+    "sha256_file",
+    "temporary_name",
+]
+
+
+def fsync_file(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename or a new entry in ``path`` durable (the entry lives in the directory, not the file)."""
+    fsync_file(path)
+
+
+def walk_files(root: str | Path) -> Iterator[Path]:
+    """Every file under ``root``, directories in walk order and names sorted within each."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in sorted(filenames):
+            yield Path(dirpath) / name
+
+
+def fsync_tree(root: str | Path) -> None:
+    """Flush every file and directory under ``root`` to disk before a rename makes it visible."""
+    for path in walk_files(root):
+        fsync_file(path)
+    for dirpath, _, _ in os.walk(root):
+        fsync_dir(dirpath)
+
+
+def temporary_name(path: str | Path) -> Path:
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None], durable: bool = True) -> None:
+    """Call ``write(tmp)`` to fill a temporary file, then rename it over ``path``.
+
+    ``durable=False`` skips the fsyncs (the rename stays atomic for a killed process, not for a power
+    cut): for work files that are cheap to recompute and written often.
+    """
+    path = Path(path)
+    tmp = temporary_name(path)
+    try:
+        write(tmp)
+        if durable:
+            fsync_file(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part."""
+    atomic_write(path, lambda tmp: tmp.write_bytes(data), durable)
+
+
+def atomic_write_json(path: str | Path, obj: Any, durable: bool = True) -> None:
+    text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    atomic_write_bytes(path, text.encode("utf-8"), durable)
+
+
+def atomic_write_parquet(path: str | Path, table: Any) -> None:
+    """A pyarrow table as a zstd-compressed parquet file, atomically."""
+    import pyarrow.parquet as pq
+
+    atomic_write(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_problem(path: str | Path, size: int, sha256: str) -> str | None:
+    """What is wrong with ``path`` against its recorded size and sha256 (None: nothing).
+
+    The size is checked first: it is free and catches truncation without reading the file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return "is missing"
+    actual = path.stat().st_size
+    if actual != size:
+        return f"has {actual} bytes, the manifest says {size} (truncated or modified)"
+    if sha256_file(path) != sha256:
+        return "fails its sha256 check (modified or corrupted)"
+    return None
+
+
+def read_json(path: str | Path, what: str, fix: str) -> Any:
+    """The JSON document at ``path``; a missing or unreadable file is one InputError naming it.
+
+    ``what`` names the file for the message ("manifest", "checkpoint.json"); ``fix`` says what to do.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{what} {path} not found: {fix}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{what} {path} is not valid JSON ({exc}): {fix}") from None
