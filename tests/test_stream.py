@@ -143,3 +143,23 @@ def test_fast_encoder_equals_the_transformers_tokenizer(tmp_path):
         "今天天气好",
         "明天下雨",
     ]
+
+
+def test_loader_workers_survive_a_preemption_signal(shards):
+    """SLURM signals the whole process group: SIGUSR1's default action would kill a worker mid-epoch."""
+    import os
+    import signal
+
+    import psutil
+
+    d, _ = shards
+    full = [b["ids"] for b in streams(d, 1, 0)[0].epoch_batches()]
+    stream = streams(d, 1, 2)[0]
+    batches = stream.epoch_batches()
+    got = [next(batches)["ids"]]  # the workers are running now
+    workers = psutil.Process().children()
+    assert len(workers) == 2
+    for worker in workers:
+        os.kill(worker.pid, signal.SIGUSR1)
+    got += [b["ids"] for b in batches]
+    assert got == full

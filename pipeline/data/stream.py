@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.errors import ConfigError, InputError
 from pipeline.shards import ipc_to_table, iter_blocks, read_manifest, verify_shard
+from pipeline.train.signals import ignore_preemption_signals
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +300,13 @@ class BatchStream:
                 start,
                 self.batches_per_epoch,
             )
-            extra = {"prefetch_factor": self.prefetch_factor} if self.num_workers else {}
+            # Workers ignore SIGTERM/SIGUSR1: SLURM signals the whole process group, and a worker killed
+            # by SIGUSR1's default action would fail the main process before it could checkpoint.
+            extra = (
+                {"prefetch_factor": self.prefetch_factor, "worker_init_fn": ignore_preemption_signals}
+                if self.num_workers
+                else {}
+            )
             # A private generator: creating a DataLoader iterator draws a seed, and drawing it from the
             # global RNG would shift every dropout mask after a resume (which creates one mid-run).
             generator = torch.Generator().manual_seed(self.seed)
