@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,16 +26,14 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pipeline.config import load_config  # noqa: E402
-from pipeline.data.stream import BatchStream, ShardSource, ViewCollator, index_shards  # noqa: E402
-from pipeline.io import atomic_write_json  # noqa: E402
-from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer  # noqa: E402
-from pipeline.model.vocab import write_vocab  # noqa: E402
-from pipeline.resources import SAMPLE_CORPUS  # noqa: E402
-from pipeline.shards import new_manifest, sentence_id, shard_name, write_shard  # noqa: E402
-from pipeline.train.config import Config  # noqa: E402
+from pipeline.config import load_config
+from pipeline.data.stream import BatchStream, ShardSource, ViewCollator, index_shards
+from pipeline.io import atomic_write_json
+from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
+from pipeline.model.vocab import write_vocab
+from pipeline.resources import sample_sentences
+from pipeline.shards import new_manifest, sentence_id, shard_name, write_shard
+from pipeline.train.config import Config
 
 SCHEMA = pa.schema(
     [
@@ -47,19 +44,6 @@ SCHEMA = pa.schema(
         ("variant_ops", pa.list_(pa.string())),
     ]
 )
-
-
-def corpus_sentences(n: int) -> list[str]:
-    out, seen = [], set()
-    for line in SAMPLE_CORPUS.read_text(encoding="utf-8").splitlines():
-        for s in line.split("。"):
-            s = s.strip()
-            if 8 <= len(s) <= 60 and s not in seen:
-                seen.add(s)
-                out.append(s)
-                if len(out) == n:
-                    return out
-    return out
 
 
 def write_sample_shards(directory: Path, texts: list[str], k: int, rows_per_block: int = 1000) -> None:
@@ -219,7 +203,8 @@ def main() -> None:
     results: dict[str, float] = {"threads": torch.get_num_threads()}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        texts = corpus_sentences(max(args.loader_sentences, args.batch * (args.steps + args.warmup + 2)))
+        needed = max(args.loader_sentences, args.batch * (args.steps + args.warmup + 2))
+        texts = sample_sentences(needed, 8, 60)
         write_sample_shards(tmp / "shards4", texts, k=4)
         build_model_folder(tmp / "model", texts, args)
         tokenizer = make_tokenizer(tmp / "vocab.txt")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from pipeline.io import atomic_write_json
-from pipeline.resources import SAMPLE_CORPUS
+from pipeline.resources import sample_sentences
 from pipeline.shards import new_manifest, sentence_id, shard_name, write_shard
 
 SCHEMA = pa.schema(
@@ -20,20 +20,6 @@ SCHEMA = pa.schema(
         pa.field("variant_ops", pa.list_(pa.string()), nullable=False),
     ]
 )
-
-
-def sample_sentences(n: int) -> list[str]:
-    """``n`` distinct short sentences cut from the bundled corpus."""
-    out, seen = [], set()
-    for line in SAMPLE_CORPUS.read_text(encoding="utf-8").splitlines():
-        for piece in line.replace("！", "。").replace("？", "。").split("。"):
-            piece = piece.strip()
-            if 6 <= len(piece) <= 40 and piece not in seen:
-                seen.add(piece)
-                out.append(piece)
-                if len(out) == n:
-                    return out
-    raise RuntimeError("corpus too small")
 
 
 def _variants(text: str, k: int, rng: random.Random) -> list[str]:

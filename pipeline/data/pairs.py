@@ -132,14 +132,16 @@ def _json_fields(line: str, keys: tuple[tuple[str, ...], ...], optional: int = 0
     return values
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    try:
-        # utf-8-sig: a byte-order mark from a spreadsheet export is not part of the first text.
-        with path.open(encoding="utf-8-sig", newline="") as handle:
-            for number, line in enumerate(handle, start=1):
-                yield number, line.rstrip("\r\n")
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+def _lines(path: Path) -> Iterator[tuple[int, str | _BadRecord]]:
+    """(line number, text) per line; a line that is not UTF-8 is a bad record, not the whole file's end."""
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if number == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a spreadsheet export's byte-order mark
+            try:
+                yield number, raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as exc:
+                yield number, _BadRecord(f"not UTF-8 text ({exc.reason} at byte {exc.start})")
 
 
 def _read(
@@ -167,10 +169,12 @@ def _read(
     skipped, blank = 0, 0
     first_problem = ""
     for number, line in _lines(path):
-        if not line.strip():
+        if isinstance(line, str) and not line.strip():
             blank += 1
             continue
         try:
+            if isinstance(line, _BadRecord):
+                raise line
             records.extend(build(split(line, columns, optional)))
         except _BadRecord as exc:
             problem = f"{path}:{number}: {exc}"
