@@ -6,7 +6,7 @@ Writes a standard sentence-transformers folder that ``SentenceTransformer(DIR)``
     DIR/config.json, model.safetensors, tokenizer.json, tokenizer_config.json   the transformer
     DIR/modules.json                  Transformer -> [WeightedLayerPooling] -> Pooling -> Normalize
     DIR/sentence_bert_config.json     max_seq_length
-    DIR/config_sentence_transformers.json
+    DIR/config_sentence_transformers.json   the text prefix as the default prompt ("query")
     DIR/1_Pooling/config.json         cls or mean pooling
     DIR/N_Normalize/                  L2 normalisation (cosine = dot product)
     DIR/README.md                     model card: YAML metadata, training recipe, evaluation table
@@ -67,6 +67,12 @@ class Config:
         "DeepSpeed checkpoint: model folder with config/tokenizer/encoder.json (default: found beside it).",
     )
     verify: bool = option(True, "Reload the written folder with transformers and compare embeddings (1e-5).")
+    pooling: Literal["cls", "mean", "first_last_avg"] | None = option(
+        None, "Override the model's pooling (empty = the folder's rule; needed for a folder without one)."
+    )
+    prefix: str | None = option(
+        None, "Override the text prefix put before every sentence (empty = the folder's rule)."
+    )
 
     def __post_init__(self) -> None:
         if not self.checkpoint:
@@ -183,12 +189,14 @@ def write_sentence_transformers_folder(encoder: Any, out: Path) -> None:
     _write_json(
         out / "sentence_bert_config.json", {"max_seq_length": encoder.max_length, "do_lower_case": False}
     )
+    # The prefix as the default prompt: SentenceTransformer.encode(texts) then puts it before every text
+    # and pools over it (include_prompt), exactly as SentenceEncoder.tokenize does.
     _write_json(
         out / "config_sentence_transformers.json",
         {
             "__version__": {"sentence_pretrain": pipeline.__version__, "pytorch": torch.__version__},
-            "prompts": {},
-            "default_prompt_name": None,
+            "prompts": {"query": encoder.prefix} if encoder.prefix else {},
+            "default_prompt_name": "query" if encoder.prefix else None,
             "similarity_fn_name": "cosine",
         },
     )
@@ -233,7 +241,8 @@ def verify_folder(encoder: Any, out: Path, atol: float = 1e-5) -> float:
 
     model = AutoModel.from_pretrained(str(out)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(out))
-    batch = tokenizer(VERIFY_SENTENCES, padding=True, truncation=True, return_tensors="pt")
+    texts = [encoder.prefix + t for t in VERIFY_SENTENCES]
+    batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
     with torch.no_grad():
         states = model(**batch, output_hidden_states=True).hidden_states
         loaded = torch.nn.functional.normalize(pool(states, batch["attention_mask"], encoder.pooling), dim=-1)
@@ -355,6 +364,14 @@ def model_card(
         f"A Chinese sentence encoder ({encoder.dim}-dimensional, L2-normalised embeddings; "
         "cosine similarity = dot product). "
         f"Sentences are truncated at {encoder.max_length} tokens and pooled with {pooling_text}.\n",
+        *(
+            [
+                f"Every text is prefixed with `{encoder.prefix}` (the folder's default prompt, which "
+                "`SentenceTransformer.encode` applies by itself; with plain `transformers`, prepend it).\n"
+            ]
+            if encoder.prefix
+            else []
+        ),
         "## Usage\n",
         "```python\nfrom sentence_transformers import SentenceTransformer\n\n"
         f'model = SentenceTransformer("{name}")\n'
@@ -439,7 +456,7 @@ def run(cfg: Config) -> int:
     token = hub_token() if cfg.push_to_hub else None  # fail before the work, not after it
     resolved = resolve.resolve(cfg.checkpoint, cfg.select, cfg.skeleton)
     result = find_eval_json(resolved, cfg.eval_json)
-    encoder = resolve.load_encoder(resolved)
+    encoder = resolve.load_encoder(resolved, pooling=cfg.pooling, prefix=cfg.prefix)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)

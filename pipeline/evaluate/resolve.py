@@ -2,13 +2,16 @@
 
 Accepted, in this order (docs/DESIGN.md "Checkpoints"):
 
-* a model folder (has ``encoder.json``): loaded as is;
+* a model folder (has ``encoder.json``) or a sentence-transformers folder (has ``modules.json``, e.g.
+  one of our exports): loaded as is, with the folder's pooling/length/prefix rule
+  (:mod:`pipeline.model.rules`);
 * one of our checkpoints (``step-XXXXXXXX/`` with ``model/``): its ``model/``;
 * a run directory (has ``checkpoints/``) or its ``checkpoints/`` folder: the checkpoint named by
   ``checkpoints/latest`` (or ``checkpoints/best``), then its ``model/``;
 * a DeepSpeed ZeRO checkpoint folder (a ``latest`` tag file naming a sub-folder with
   ``*model_states.pt``): the partitioned fp32 weights are consolidated with DeepSpeed's
   ``zero_to_fp32`` into the model skeleton (config + tokenizer + ``encoder.json``) found beside it;
+* a plain Hugging Face folder (``config.json``, no rule): loaded only with an explicit pooling;
 * any other string: a Hugging Face Hub name.
 
 Everything that goes wrong is one :class:`InputError` line naming the path and what to do.
@@ -26,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pipeline.errors import InputError
+from pipeline.errors import InputError, PipelineError
 from pipeline.model.encoder import ENCODER_FILE, SentenceEncoder
+from pipeline.model.rules import is_sentence_transformers_folder
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +120,7 @@ def resolve(spec: str | Path, which: Which = "latest", skeleton: Path | None = N
         return Resolved(text, "hub", None)
     if not path.is_dir():
         raise InputError(f"{text} is a file; give a model folder, checkpoint, run directory or Hub name")
-    if (path / ENCODER_FILE).is_file():
+    if (path / ENCODER_FILE).is_file() or is_sentence_transformers_folder(path):
         return Resolved(text, "model", path)
     # A run directory has a model/ too (the final model); its checkpoints/ pointer decides, so that
     # --checkpoint latest|best is honoured.
@@ -148,9 +152,11 @@ def resolve(spec: str | Path, which: Which = "latest", skeleton: Path | None = N
             checkpoint_dir=checkpoint,
             run_dir=checkpoints.parent,
         )
+    if (path / "config.json").is_file():  # a plain transformers folder: the pooling must be given
+        return Resolved(text, "model", path)
     raise InputError(
-        f"{text} is not a model folder ({ENCODER_FILE}), checkpoint (model/), run directory (checkpoints/) "
-        "or DeepSpeed checkpoint (latest + global_step*/)"
+        f"{text} is not a model folder ({ENCODER_FILE} or sentence-transformers modules.json), checkpoint "
+        "(model/), run directory (checkpoints/) or DeepSpeed checkpoint (latest + global_step*/)"
     )
 
 
@@ -159,15 +165,23 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def load_encoder(resolved: Resolved, device: str = "cpu") -> SentenceEncoder:
-    """Load the encoder ``resolved`` names; corrupt files become one InputError line."""
+def load_encoder(
+    resolved: Resolved, device: str = "cpu", pooling: str | None = None, prefix: str | None = None
+) -> SentenceEncoder:
+    """Load the encoder ``resolved`` names; corrupt files become one InputError line.
+
+    ``pooling``/``prefix`` override the folder's rule (a folder or Hub name without a pooling rule
+    needs ``pooling``).
+    """
     if resolved.kind == "deepspeed":
         encoder = consolidate_zero(resolved.model_dir, resolved.skeleton_dir)
+        encoder.pooling = pooling or encoder.pooling
+        encoder.prefix = encoder.prefix if prefix is None else prefix
     else:
         target = resolved.model_dir or resolved.spec
         try:
-            encoder = SentenceEncoder.from_pretrained(str(target))
-        except InputError:
+            encoder = SentenceEncoder.from_pretrained(str(target), pooling=pooling, prefix=prefix)
+        except PipelineError:
             raise
         except Exception as exc:  # safetensors, JSON and config errors all mean a damaged folder
             raise InputError(f"cannot load model from {target}: {_first_line(exc)}") from None

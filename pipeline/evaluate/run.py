@@ -64,6 +64,12 @@ class Config:
         None, "Output directory (default: CHECKPOINT/eval, MODEL/eval, or ./eval_out for a Hub name)."
     )
     device: str = option("cpu", "torch device to encode on (cpu, cuda, cuda:1).")
+    pooling: Literal["cls", "mean", "first_last_avg"] | None = option(
+        None, "Override the model's pooling (empty = the folder's rule; needed for a folder without one)."
+    )
+    prefix: str | None = option(
+        None, "Override the text prefix put before every sentence (empty = the folder's rule)."
+    )
     progress: bool = option(True, "Show progress bars while encoding.")
 
     def __post_init__(self) -> None:
@@ -196,8 +202,10 @@ def run(cfg: Config) -> int:
     sts: dict[str, Any] = {"sets": [s.name for s in sets], "pairs": {s.name: len(s) for s in sets}}
     needs_model = bool({"sts", "align", "probe"} & set(cfg.suite))
     if needs_model and resolved is not None:
-        encoder = resolve.load_encoder(resolved, cfg.device)
-        result["model"].update(pooling=encoder.pooling, max_length=encoder.max_length, dim=encoder.dim)
+        encoder = resolve.load_encoder(resolved, cfg.device, cfg.pooling, cfg.prefix)
+        result["model"].update(
+            pooling=encoder.pooling, max_length=encoder.max_length, prefix=encoder.prefix, dim=encoder.dim
+        )
 
         def encode(texts: list[str], desc: str = "encode") -> np.ndarray:
             return encoder.encode(texts, batch_size=cfg.batch_size, progress=cfg.progress, desc=desc)

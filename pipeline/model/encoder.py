@@ -1,9 +1,10 @@
 """The sentence encoder: a ``transformers`` backbone, a pooling rule and L2 normalisation.
 
 On disk an encoder is an ordinary Hugging Face folder (``config.json``, ``model.safetensors``, the
-tokenizer files) plus ``encoder.json`` with the pooling rule and maximum length, so that any
-``from_pretrained`` name or local folder (``hfl/rbt3``, ``bert-base-chinese``, one of our
-checkpoints' ``model/`` folders) loads the same way.
+tokenizer files) plus ``encoder.json`` with the pooling rule, maximum length and text prefix (e5 wants
+``"query: "`` before every text), so that any ``from_pretrained`` name or local folder (``hfl/rbt3``,
+one of our checkpoints' ``model/`` folders, a sentence-transformers folder: see
+:mod:`pipeline.model.rules`) loads the same way.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.errors import InputError
+from pipeline.errors import ConfigError, InputError
+from pipeline.model.rules import ENCODER_FILE, POOLING_HELP, read_rule
 
 Pooling = Literal["cls", "mean", "first_last_avg"]
 POOLINGS: tuple[str, ...] = ("cls", "mean", "first_last_avg")
-ENCODER_FILE = "encoder.json"
+__all__ = ["ENCODER_FILE", "POOLINGS", "SentenceEncoder", "pool"]
 
 
 def _masked_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -47,9 +49,20 @@ def pool(hidden_states: Sequence[torch.Tensor], attention_mask: torch.Tensor, po
 
 
 class SentenceEncoder(nn.Module):
-    """Maps token ids to L2-normalised sentence embeddings of shape (B, H)."""
+    """Maps token ids to L2-normalised sentence embeddings of shape (B, H).
 
-    def __init__(self, backbone: nn.Module, tokenizer: Any, pooling: str = "cls", max_length: int = 64):
+    ``prefix`` goes before every text exactly once, in :meth:`tokenize` (hence :meth:`encode`, the
+    evaluation and the search index) and in the training collators (given it by the trainer).
+    """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        tokenizer: Any,
+        pooling: str = "cls",
+        max_length: int = 64,
+        prefix: str = "",
+    ):
         super().__init__()
         if pooling not in POOLINGS:
             raise ValueError(f"unknown pooling {pooling!r}; choose one of {POOLINGS}")
@@ -57,6 +70,7 @@ class SentenceEncoder(nn.Module):
         self.tokenizer = tokenizer
         self.pooling = pooling
         self.max_length = max_length
+        self.prefix = prefix
 
     @property
     def dim(self) -> int:
@@ -81,7 +95,11 @@ class SentenceEncoder(nn.Module):
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         return self.tokenizer(
-            list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+            [self.prefix + t for t in texts],
+            padding=True,
+            truncation=True,
+            max_length=self.max_length,
+            return_tensors="pt",
         )
 
     @torch.no_grad()
@@ -114,38 +132,62 @@ class SentenceEncoder(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         self.backbone.save_pretrained(directory, safe_serialization=True)
         self.tokenizer.save_pretrained(directory)
-        meta = {"pooling": self.pooling, "max_length": self.max_length, "normalize": True}
+        meta = {
+            "pooling": self.pooling,
+            "max_length": self.max_length,
+            "normalize": True,
+            "prefix": self.prefix,
+        }
         (directory / ENCODER_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
     @classmethod
     def from_pretrained(
-        cls, name_or_dir: str | Path, pooling: str | None = None, max_length: int | None = None, **kwargs: Any
+        cls,
+        name_or_dir: str | Path,
+        pooling: str | None = None,
+        max_length: int | None = None,
+        prefix: str | None = None,
+        **kwargs: Any,
     ) -> SentenceEncoder:
         """Load a backbone and tokenizer by Hub name or local folder.
 
-        ``pooling``/``max_length`` default to the folder's ``encoder.json`` if it has one, else
-        ``cls``/64. The backbone is built without its pooler: the pooler is unused, and DDP fails on
-        parameters that get no gradient.
+        ``pooling``/``max_length``/``prefix`` given here win; else the folder's rule applies
+        (``encoder.json``, else the sentence-transformers module files); a folder without a pooling
+        rule and no ``pooling`` is a :class:`ConfigError`, never a silent default. ``max_length``
+        falls back to 64, ``prefix`` to none. The backbone is built without its pooler: the pooler is
+        unused, and DDP fails on parameters that get no gradient.
         """
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-        meta: dict[str, Any] = {}
         local = Path(name_or_dir)
-        if local.is_dir() and (local / ENCODER_FILE).is_file():
-            meta = json.loads((local / ENCODER_FILE).read_text(encoding="utf-8"))
-        elif str(name_or_dir).startswith((".", "/")) and not local.exists():
+        if str(name_or_dir).startswith((".", "/")) and not local.exists():
             raise InputError(f"model folder {name_or_dir} does not exist")
+        rule = read_rule(name_or_dir)
+        source, where = str(name_or_dir), {}
+        if rule.transformer_dir:  # an old sentence-transformers layout: the transformer in 0_Transformer/
+            if local.is_dir():
+                source = str(local / rule.transformer_dir)
+            else:
+                where = {"subfolder": rule.transformer_dir}
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(name_or_dir))
+            if not (pooling or rule.pooling):
+                # a model that does not exist is reported as such, not as a missing rule
+                AutoConfig.from_pretrained(source, **where)
+                raise ConfigError(
+                    f"{name_or_dir} has no pooling rule (no {ENCODER_FILE}, no sentence-transformers "
+                    f"modules.json); {POOLING_HELP}"
+                )
+            tokenizer = AutoTokenizer.from_pretrained(source, **where)
             try:
-                backbone = AutoModel.from_pretrained(str(name_or_dir), add_pooling_layer=False, **kwargs)
+                backbone = AutoModel.from_pretrained(source, add_pooling_layer=False, **where, **kwargs)
             except TypeError:  # architectures without a pooler do not take the argument
-                backbone = AutoModel.from_pretrained(str(name_or_dir), **kwargs)
+                backbone = AutoModel.from_pretrained(source, **where, **kwargs)
         except OSError as exc:
             raise InputError(f"cannot load model {name_or_dir!r}: {exc}".splitlines()[0]) from None
         return cls(
             backbone,
             tokenizer,
-            pooling=pooling or meta.get("pooling", "cls"),
-            max_length=max_length or meta.get("max_length", 64),
+            pooling=pooling or rule.pooling,
+            max_length=max_length or rule.max_length or 64,
+            prefix=(rule.prefix or "") if prefix is None else prefix,
         )

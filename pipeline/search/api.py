@@ -133,7 +133,7 @@ class SearchIndex:
             raise InputError(
                 f"the index's model {info['path']} no longer exists; pass --model with the same model"
             )
-        return load_encoder(ref, info.get("max_length"), device)[0]
+        return load_encoder(ref, info.get("max_length"), device, info.get("pooling"), info.get("prefix"))[0]
 
     def _check_encoder(self) -> None:
         info = self.manifest["model"]

@@ -43,6 +43,12 @@ class Config:
         4096, "Sentences per restart unit; each chunk's embeddings are saved as one file."
     )
     max_length: int | None = option(None, "Token limit per sentence (default: the model's encoder.json).")
+    pooling: Literal["cls", "mean", "first_last_avg"] | None = option(
+        None, "Override the model's pooling (empty = the folder's rule; needed for a folder without one)."
+    )
+    prefix: str | None = option(
+        None, "Override the text prefix put before every sentence (empty = the folder's)."
+    )
     device: str = option(
         "auto", "Torch device for encoding: auto (cuda if available), cpu, cuda, cuda:1, ..."
     )
@@ -83,8 +89,13 @@ class Config:
             raise ConfigError("--ef-construction and --ef-search must be >= 1")
 
 
-def load_encoder(ref: str, max_length: int | None, device: str) -> tuple[Any, Resolved]:
-    """A model folder, checkpoint, run directory or Hub name (see pipeline.evaluate.resolve), loaded."""
+def load_encoder(
+    ref: str, max_length: int | None, device: str, pooling: str | None = None, prefix: str | None = None
+) -> tuple[Any, Resolved]:
+    """A model folder, checkpoint, run directory or Hub name (see pipeline.evaluate.resolve), loaded.
+
+    ``pooling``/``prefix`` override the folder's rule; queries reuse the ones the index was built with.
+    """
     import torch
 
     from pipeline.evaluate.resolve import load_encoder as load_resolved
@@ -93,7 +104,7 @@ def load_encoder(ref: str, max_length: int | None, device: str) -> tuple[Any, Re
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     resolved = resolve(ref)
-    encoder = load_resolved(resolved, device)
+    encoder = load_resolved(resolved, device, pooling, prefix)
     if max_length is not None:
         encoder.max_length = max_length
     return encoder, resolved
@@ -153,7 +164,7 @@ def run(cfg: Config) -> int:
     out = Path(cfg.out)
     check_out(out, cfg.overwrite)
     corpus = read_corpus(cfg.input, dedup=cfg.dedup)
-    encoder, resolved = load_encoder(cfg.model, cfg.max_length, cfg.device)
+    encoder, resolved = load_encoder(cfg.model, cfg.max_length, cfg.device, cfg.pooling, cfg.prefix)
     clear_out(out)  # only now that the input and the model are known to be good
     n, dim = len(corpus.texts), encoder.dim
     model_dir = resolved.skeleton_dir or resolved.model_dir  # where encoder.json lives
@@ -164,6 +175,7 @@ def run(cfg: Config) -> int:
         "weights_sha256": layout.model_fingerprint(resolved.model_dir),
         "pooling": encoder.pooling,
         "max_length": encoder.max_length,
+        "prefix": encoder.prefix,
         "dim": dim,
     }
     state = {"texts_sha256": corpus.fingerprint(), "rows": n, "chunk_size": cfg.chunk_size,

@@ -222,14 +222,16 @@ def build_encoder(cfg: Config) -> SentenceEncoder:
     )
     if m.name_or_path:
         return SentenceEncoder.from_pretrained(
-            m.name_or_path, pooling=m.pooling, max_length=cfg.data.max_length, **dropout
+            m.name_or_path, pooling=m.pooling, max_length=cfg.data.max_length, prefix=m.prefix, **dropout
         )
     path = resolve_path(m.scratch_config)
     if not path.is_file():
         raise ConfigError(f"model.scratch_config: {path} does not exist; point it to a BertConfig JSON")
     tokenizer = build_tokenizer(cfg)
     backbone = build_scratch_backbone({**read_model_config(path), **dropout}, len(tokenizer), cfg.train.seed)
-    return SentenceEncoder(backbone, tokenizer, pooling=m.pooling, max_length=cfg.data.max_length)
+    return SentenceEncoder(
+        backbone, tokenizer, pooling=m.pooling, max_length=cfg.data.max_length, prefix=m.prefix or ""
+    )
 
 
 def report_unk_rate(encoder: SentenceEncoder, metrics: MetricsLogger, lines: int = 500) -> dict[str, float]:
@@ -274,12 +276,13 @@ def read_records(cfg: Config) -> list[tuple]:
     return [(p.text_a, p.text_b, p.label) for p in read_pairs(path)]
 
 
-def build_stream(cfg: Config, tokenizer: Any, rank: int, world: int) -> BatchStream:
+def build_stream(cfg: Config, tokenizer: Any, rank: int, world: int, prefix: str = "") -> BatchStream:
+    """This rank's batches; ``prefix`` is the encoder's text prefix, put before every text once."""
     d, t = cfg.data, cfg.train
     if cfg.objective.name in UNSUPERVISED:
         blocks = dist.broadcast_object(index_shards(d.shards, d.verify_shards) if rank == 0 else None)
         k, views = (d.num_variants, d.num_dropout_views) if cfg.objective.name == "luse" else (0, 1)
-        collate = ViewCollator(tokenizer, d.max_length, k, views)
+        collate = ViewCollator(tokenizer, d.max_length, k, views, prefix)
         source: Any = ShardSource(blocks, collate.columns)
         if cfg.objective.mlm_weight:  # masks drawn in the loader workers, from the data position
             collate = MLMCollator(collate, tokenizer, t.seed, cfg.objective.mlm_probability)
@@ -292,7 +295,8 @@ def build_stream(cfg: Config, tokenizer: Any, rank: int, world: int) -> BatchStr
         if cfg.objective.name != "sup_simcse":
             columns["label"] = [r[-1] for r in records]
             label_dtype = torch.long if cfg.objective.name == "sbert" else torch.float32
-        collate = PairCollator(tokenizer, d.max_length, [f"text{i}" for i in range(n_text)], label_dtype)
+        text_columns = [f"text{i}" for i in range(n_text)]
+        collate = PairCollator(tokenizer, d.max_length, text_columns, label_dtype, prefix)
         source = MemorySource(columns)
     return BatchStream(
         source, collate, t.global_batch_size, rank, world, t.seed, d.num_workers, d.prefetch_factor
@@ -387,7 +391,7 @@ def build(cfg: Config) -> Trainer:
     metrics = MetricsLogger(cfg.run_dir, enabled=accelerator.is_main_process)
     if accelerator.is_main_process:
         report_unk_rate(encoder, metrics)
-    stream = build_stream(cfg, encoder.tokenizer, rank, world)
+    stream = build_stream(cfg, encoder.tokenizer, rank, world, encoder.prefix)
     total = cfg.train.max_steps or cfg.train.epochs * stream.batches_per_epoch
     optimizer = build_optimizer(cfg, module)
     o = cfg.optim

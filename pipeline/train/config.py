@@ -80,7 +80,16 @@ class ModelConfig:
     vocab_max_sentences: int = option(
         200_000, "Scratch model: count characters over at most this many training sentences."
     )
-    pooling: Literal["cls", "mean", "first_last_avg"] = option("cls", "How token states become one vector.")
+    pooling: Literal["cls", "mean", "first_last_avg"] | None = option(
+        None,
+        "How token states become one vector; empty = the model folder's rule (encoder.json or its "
+        "sentence-transformers files). Required for a scratch model or a folder without a rule.",
+    )
+    prefix: str | None = option(
+        None,
+        "Text put before every sentence (e5: 'query: '); empty = the model folder's rule "
+        "(encoder.json prefix or the sentence-transformers default prompt), none for a scratch model.",
+    )
     dropout: float | None = option(
         None, "Hidden and attention dropout; empty keeps the model's own (dropout makes the views differ)."
     )
@@ -90,6 +99,11 @@ class ModelConfig:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.vocab_max_size < 100:
             raise ConfigError("model.vocab_max_size must be >= 100")
+        if not self.name_or_path and self.pooling is None:
+            raise ConfigError(
+                "model.pooling: a from-scratch model has no folder to take a pooling rule from; "
+                "set --model.pooling to cls, mean or first_last_avg"
+            )
 
 
 @dataclass
