@@ -388,3 +388,32 @@ def test_train_resume_eval_export_from_an_xlmr_folder(tmp_path, xlmr_folder, fre
         np.abs(trained.encode(texts) - SentenceEncoder.from_pretrained(xlmr_folder).encode(texts)).max()
         > 1e-4
     )
+
+
+def test_index_and_queries_use_the_prefix(xlmr_folder, plain_folder, tmp_path):
+    from pipeline.search.api import SearchIndex
+
+    corpus = sample_sentences(30)
+    (tmp_path / "corpus.txt").write_text("\n".join(corpus) + "\n", encoding="utf-8")
+    out = tmp_path / "idx"
+    assert main(["index", str(xlmr_folder), "--input", str(tmp_path / "corpus.txt"), "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["model"]["prefix"], manifest["model"]["pooling"]) == (PREFIX, "mean")
+    index = SearchIndex.load(out, device="cpu")
+    assert index.encoder.prefix == PREFIX
+    hits = index.search([corpus[3]], k=1)[0]
+    assert hits[0].text == corpus[3] and hits[0].score == pytest.approx(1.0, abs=1e-5)
+    stored = index.vectors(np.array([hits[0].row]))
+    np.testing.assert_allclose(
+        stored, SentenceEncoder.from_pretrained(xlmr_folder).encode([corpus[3]]), atol=1e-5
+    )
+    # a query encoder without the prefix would not land on the stored vector
+    unprefixed = SentenceEncoder.from_pretrained(xlmr_folder, prefix="").encode([corpus[3]])[0]
+    assert float(unprefixed @ stored[0]) < 0.9999
+    # a plain folder indexes with an explicit pooling and prefix; queries reuse the recorded ones
+    out2 = tmp_path / "idx2"
+    argv = ["index", str(plain_folder), "--input", str(tmp_path / "corpus.txt"), "--out", str(out2)]
+    assert main([*argv, "--pooling", "mean", "--prefix", PREFIX]) == 0
+    index2 = SearchIndex.load(out2, device="cpu")
+    assert (index2.encoder.pooling, index2.encoder.prefix) == ("mean", PREFIX)
+    np.testing.assert_allclose(index2.vectors(np.arange(30)), index.vectors(np.arange(30)), atol=1e-5)
