@@ -158,11 +158,6 @@ def _write_json(path: Path, data: Any) -> None:
 
 def write_sentence_transformers_folder(encoder: Any, out: Path) -> None:
     """The transformer files plus the module files; ``out`` must not exist yet or be empty."""
-    import torch
-    from safetensors.torch import save_file
-
-    import pipeline
-
     backbone, tokenizer = encoder.backbone, encoder.tokenizer
     num_layers = int(backbone.config.num_hidden_layers)
     config_flag = backbone.config.output_hidden_states
@@ -178,25 +173,45 @@ def write_sentence_transformers_folder(encoder: Any, out: Path) -> None:
         backbone.config.output_hidden_states = config_flag
         tokenizer.model_max_length = tokenizer_max
     _add_identity_pooler(backbone, out)
-    modules, configs = module_list(encoder.pooling, encoder.dim, num_layers)
+    prompts = {"query": encoder.prefix} if encoder.prefix else {}
+    dim, max_length, default_prompt = encoder.dim, encoder.max_length, "query" if prompts else None
+    write_module_files(out, encoder.pooling, dim, num_layers, max_length, prompts, default_prompt)
+
+
+def write_module_files(
+    out: Path,
+    pooling: str,
+    dim: int,
+    num_layers: int,
+    max_length: int,
+    prompts: dict[str, str] | None = None,
+    default_prompt_name: str | None = None,
+) -> None:
+    """The sentence-transformers files around the transformer in ``out`` (also used by ``models fetch``).
+
+    ``prompts[default_prompt_name]`` is the prefix: SentenceTransformer.encode(texts) then puts it before
+    every text and pools over it (include_prompt), exactly as SentenceEncoder.tokenize does.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    import pipeline
+
+    modules, configs = module_list(pooling, dim, num_layers)
     _write_json(out / "modules.json", modules)
     for folder, config in configs.items():
         _write_json(out / folder / "config.json", config)
-    if encoder.pooling == "first_last_avg":
+    if pooling == "first_last_avg":
         weights = torch.zeros(num_layers)  # one weight per layer 1..L: keep the first and the last
         weights[0] = weights[-1] = 1.0
         save_file({"layer_weights": weights}, str(out / "1_WeightedLayerPooling" / "model.safetensors"))
-    _write_json(
-        out / "sentence_bert_config.json", {"max_seq_length": encoder.max_length, "do_lower_case": False}
-    )
-    # The prefix as the default prompt: SentenceTransformer.encode(texts) then puts it before every text
-    # and pools over it (include_prompt), exactly as SentenceEncoder.tokenize does.
+    _write_json(out / "sentence_bert_config.json", {"max_seq_length": max_length, "do_lower_case": False})
     _write_json(
         out / "config_sentence_transformers.json",
         {
             "__version__": {"sentence_pretrain": pipeline.__version__, "pytorch": torch.__version__},
-            "prompts": {"query": encoder.prefix} if encoder.prefix else {},
-            "default_prompt_name": "query" if encoder.prefix else None,
+            "prompts": dict(prompts or {}),
+            "default_prompt_name": default_prompt_name,
             "similarity_fn_name": "cosine",
         },
     )

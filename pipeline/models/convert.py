@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import InputError
+from pipeline.export import write_module_files
 from pipeline.models.e5s1 import DTYPE_Q4, E5S1File
 from pipeline.models.registry import ModelEntry
 
@@ -170,29 +171,6 @@ def write_tokenizer(tokenizer_bytes: bytes, max_length: int, out: Path) -> None:
     _write_json(out / "special_tokens_map.json", SPECIAL_TOKENS)
 
 
-def write_sentence_transformers_files(
-    entry: ModelEntry, dim: int, num_layers: int, max_length: int, out: Path
-) -> None:
-    """modules.json (Transformer -> Pooling(mean) -> Normalize) and the config files, e5's prompts."""
-    import pipeline
-    from pipeline.export import module_list
-
-    modules, configs = module_list("mean", dim, num_layers)
-    _write_json(out / "modules.json", modules)
-    for folder, config in configs.items():
-        _write_json(out / folder / "config.json", config)
-    _write_json(out / "sentence_bert_config.json", {"max_seq_length": max_length, "do_lower_case": False})
-    _write_json(
-        out / "config_sentence_transformers.json",
-        {
-            "__version__": {"sentence_pretrain": pipeline.__version__},
-            "prompts": entry.prompts,
-            "default_prompt_name": entry.default_prompt_name,
-            "similarity_fn_name": "cosine",
-        },
-    )
-
-
 def write_folder(
     f: E5S1File, tokenizer_bytes: bytes, entry: ModelEntry, out: Path, progress: bool = False
 ) -> None:
@@ -214,7 +192,9 @@ def write_folder(
         out / "encoder.json",
         {"pooling": "mean", "max_length": max_length, "normalize": True, "prefix": entry.prefix},
     )
-    write_sentence_transformers_files(entry, f.header.hidden, f.header.layers, max_length, out)
+    write_module_files(
+        out, "mean", f.header.hidden, f.header.layers, max_length, entry.prompts, entry.default_prompt_name
+    )
 
 
 def encode_folder(folder: Path, texts: Sequence[str], prefix: str, batch_size: int = 8) -> np.ndarray:
