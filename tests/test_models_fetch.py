@@ -301,6 +301,14 @@ def test_failed_conversion_leaves_no_output(tmp_path, tiny, monkeypatch):
     assert not out.exists() and not list(tmp_path.glob("tiny.partial-*"))
 
 
+def test_a_second_fetch_of_the_same_out_is_refused_while_the_first_runs(tmp_path, tiny):
+    entry, cache, _ = tiny
+    out = tmp_path / "tiny"
+    with fetch.locked(out), pytest.raises(InputError, match="another fetch is writing"):
+        fetch.fetch(entry, out, cache, skip_verify=True)
+    assert fetch.fetch(entry, out, cache, skip_verify=True)  # the lock is released
+
+
 def test_out_not_ours_or_incomplete_is_an_error(tmp_path, tiny):
     entry, cache, _ = tiny
     foreign = tmp_path / "foreign"
