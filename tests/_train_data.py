@@ -70,6 +70,18 @@ def make_shards(
     return ids
 
 
+DEBUG_CONFIG = Path(__file__).resolve().parents[1] / "launch" / "configs" / "debug.yaml"
+
+
+def debug_config(tmp_path: Path, shards: Path, **overrides):
+    """launch/configs/debug.yaml on ``shards`` with its run directory in ``tmp_path``, then ``overrides``."""
+    from pipeline.config import load_config
+    from pipeline.train.config import Config
+
+    base = {"data.shards": str(shards), "run_dir": str(tmp_path / "run")}
+    return load_config(Config, DEBUG_CONFIG, {**base, **overrides})
+
+
 def run_and_dump(cfg) -> dict:
     """Train ``cfg`` in this process (fresh Accelerate state) and return rank 0's debug dump."""
     import json

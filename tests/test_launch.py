@@ -18,14 +18,6 @@ CONFIGS = sorted((PROJECT_ROOT / "launch" / "configs").glob("*.yaml"))
 DEBUG = PROJECT_ROOT / "launch" / "configs" / "debug.yaml"
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
-
-
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     d = tmp_path_factory.mktemp("shards")

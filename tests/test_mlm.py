@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from _train_data import make_shards, run_and_dump, sample_sentences
+from _train_data import debug_config, run_and_dump, sample_sentences
 from safetensors import safe_open
 
 from pipeline.config import load_config
@@ -17,14 +17,6 @@ from pipeline.train.config import PROJECT_ROOT, Config
 DEBUG = PROJECT_ROOT / "launch" / "configs" / "debug.yaml"
 SPECIAL = [0, 1, 2, 3, 4]  # [PAD] [UNK] [CLS] [SEP] [MASK] in a made-up vocabulary
 PAD, CLS, SEP, MASK, VOCAB = 0, 2, 3, 4, 500
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
 
 
 def random_batch(rows: int = 4000, length: int = 40, seed: int = 0):
@@ -148,20 +140,13 @@ def test_config_refuses(over):
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    d = tmp_path_factory.mktemp("mlm_shards")
-    make_shards(d, [[32]], num_variants=2)  # 32 sentences: two batches an epoch, repeated
-    return d
+def shards(tiny_shards):
+    return tiny_shards([[32]], num_variants=2)  # 32 sentences: two batches an epoch, repeated
 
 
 def debug_cfg(tmp_path, shards, **overrides):
-    base = {
-        "data.shards": str(shards),
-        "run_dir": str(tmp_path / "run"),
-        "train.eval_max_pairs": 16,
-        "objective.mlm_weight": 0.5,
-    }
-    return load_config(Config, DEBUG, {**base, **overrides})
+    base = {"train.eval_max_pairs": 16, "objective.mlm_weight": 0.5}
+    return debug_config(tmp_path, shards, **{**base, **overrides})
 
 
 def read_metrics(run_dir):

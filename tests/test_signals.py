@@ -115,6 +115,18 @@ def test_policy_by_steps_and_minutes():
         CheckpointPolicy(every_steps=-1)
 
 
+def test_time_rule_is_read_only_at_check_steps():
+    """The loop reads the clock (a broadcast and a host sync) at log steps only; step saves still count."""
+    def due_steps(check_every: int) -> list[int]:
+        policy = CheckpointPolicy(every_steps=7, every_minutes=1.0, now=0.0, check_every=check_every)
+        return [s for s in range(1, 12) if policy.due(s, now=30.0 * s)]  # 30 s per step
+
+    assert due_steps(check_every=1) == [2, 4, 6, 7, 9, 11]
+    assert due_steps(check_every=5) == [5, 7, 10]  # step 9's time save waits for check step 10
+    with pytest.raises(ValueError):
+        CheckpointPolicy(check_every=0)
+
+
 TWO_RANKS = textwrap.dedent(
     """
     import sys

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from _train_data import make_shards, run_and_dump, sample_sentences
+from _train_data import debug_config, run_and_dump, sample_sentences
 
 from pipeline.config import load_config
 from pipeline.model import SentenceEncoder
@@ -15,24 +15,13 @@ from pipeline.train.schedule import lr_factor
 DEBUG = PROJECT_ROOT / "launch" / "configs" / "debug.yaml"
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    yield
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(True)
-
-
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    d = tmp_path_factory.mktemp("shards")
-    make_shards(d, [[40, 24], [32]], num_variants=3)
-    return d
+def shards(tiny_shards):
+    return tiny_shards([[40, 24], [32]], num_variants=3)
 
 
 def debug_cfg(tmp_path, shards, **overrides):
-    base = {"data.shards": str(shards), "run_dir": str(tmp_path / "run"), "train.eval_max_pairs": 32}
-    return load_config(Config, DEBUG, {**base, **overrides})
+    return debug_config(tmp_path, shards, **{"train.eval_max_pairs": 32, **overrides})
 
 
 def read_metrics(run_dir):

@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -33,16 +32,18 @@ from pipeline.data.stream import (
     index_shards,
 )
 from pipeline.errors import ConfigError
-from pipeline.evaluate.sts import read_pair_file
+from pipeline.evaluate.sts import PairSet, read_pair_file
 from pipeline.losses import get_objective
 from pipeline.losses.mlm import MLMCollator, MLMHead
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
 from pipeline.model.vocab import read_model_config, write_vocab
 from pipeline.resources import EVAL_DIR
 from pipeline.shards import read_shard, shard_paths
+from pipeline.train.checkpoint import Checkpointer, check_compatible
 from pipeline.train.config import UNSUPERVISED, Config, check_against_environment, resolve_path
 from pipeline.train.metrics import MetricsLogger
 from pipeline.train.schedule import LRSchedule
+from pipeline.train.signals import PreemptionHandler
 
 log = logging.getLogger(__name__)
 TOKENIZER_DIR = "tokenizer"
@@ -107,10 +108,9 @@ class Trainer:
     total_steps: int
     queue: nn.Module | None = None
     momentum_encoder: nn.Module | None = None
-    checkpointer: Any = None
-    preemption: Any = None
-    sts_valid: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    checkpointer: Checkpointer | None = None
+    preemption: PreemptionHandler | None = None
+    sts_valid: PairSet | None = None  # rank 0 only: the STS-B valid pairs scored by evaluate()
 
     @property
     def encoder(self) -> SentenceEncoder:
@@ -145,7 +145,7 @@ class Trainer:
 
     def close(self) -> None:
         self.metrics.close()
-        if self.preemption is not None and hasattr(self.preemption, "uninstall"):
+        if self.preemption is not None:
             self.preemption.uninstall()
 
 
@@ -315,16 +315,9 @@ def build_queue(cfg: Config, encoder: SentenceEncoder) -> tuple[nn.Module | None
 
 def build_checkpointing(cfg: Config, trainer: Trainer) -> None:
     """The seam to checkpointing and preemption (pipeline/train/checkpoint.py, signals.py)."""
-    try:
-        from pipeline.train.checkpoint import Checkpointer
-    except ImportError:
-        log.warning("pipeline.train.checkpoint is not available: no checkpoints, no resume")
-        return
     trainer.checkpointer = Checkpointer(cfg.run_dir, keep_last=cfg.checkpoint.keep_last)
     if cfg.train.deepspeed_config:
         trainer.checkpointer.engine = trainer.model  # ZeRO state: the engine's own checkpoint
-    from pipeline.train.signals import PreemptionHandler
-
     trainer.preemption = PreemptionHandler().install()
 
 
@@ -339,14 +332,11 @@ def resume(cfg: Config, trainer: Trainer) -> None:
     path = trainer.checkpointer.latest() if cfg.resume == "auto" else Path(cfg.resume)
     if path is None:
         return
-    from pipeline.train.checkpoint import check_compatible
-
     check_compatible(trainer.checkpointer.saved_config(path), to_dict(cfg))
-    meta = trainer.checkpointer.load(path, trainer.encoder, trainer.states(), trainer.rank_states())
+    trainer.checkpointer.load(path, trainer.encoder, trainer.states(), trainer.rank_states())
     log.info(
         "resumed from %s at step %d (%d samples seen)", path, trainer.state.step, trainer.state.samples_seen
     )
-    trainer.extra["resume_meta"] = meta
 
 
 def write_run_config(cfg: Config) -> None:
@@ -429,5 +419,4 @@ def build(cfg: Config) -> Trainer:
     resume(cfg, trainer)
     if accelerator.is_main_process:
         trainer.sts_valid = read_pair_file(EVAL_DIR / "STS-B.valid.tsv").first(cfg.train.eval_max_pairs)
-    trainer.extra["start_time"] = time.time()
     return trainer

@@ -12,18 +12,19 @@ import hashlib
 import json
 import logging
 import shutil
-import time
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from pipeline import distributed as dist
+from pipeline.config import to_dict
 from pipeline.evaluate.sts import score_pairs
 from pipeline.losses.mlm import compute_loss as mlm_loss
 from pipeline.train.build import Trainer
 from pipeline.train.gradcache import chunked_forward_backward
 from pipeline.train.metrics import Throughput, alignment_uniformity
+from pipeline.train.signals import EXIT_CODE_PREEMPTED, CheckpointPolicy
 
 log = logging.getLogger(__name__)
 
@@ -166,28 +167,18 @@ def evaluate(t: Trainer) -> float:
     return float(dist.broadcast_object(score))
 
 
-def maybe_checkpoint(t: Trainer, last_save: list[float], is_best: bool = False, force: bool = False) -> None:
-    """Save when due (every N steps / M minutes, decided by rank 0 and broadcast) — collective."""
-    if t.checkpointer is None:
-        return
-    c, step = t.cfg.checkpoint, t.state.step
-    due = force or is_best or bool(c.every_steps and step % c.every_steps == 0)
-    if not due and c.every_minutes and step % t.cfg.train.log_every == 0:
-        due = bool(dist.broadcast_object(time.time() - last_save[0] >= 60 * c.every_minutes))
-    if due:
-        from pipeline.config import to_dict
-
-        t.checkpointer.save(
-            step,
-            t.encoder,
-            t.states(),
-            t.rank_states(),
-            to_dict(t.cfg),
-            is_best=is_best,
-            metrics={"best_metric": t.state.best_metric},
-            samples_seen=t.state.samples_seen,
-        )
-        last_save[0] = time.time()
+def save_checkpoint(t: Trainer, is_best: bool = False) -> None:
+    """Checkpoint ``t.state.step`` (collective: every rank writes its part)."""
+    t.checkpointer.save(
+        t.state.step,
+        t.encoder,
+        t.states(),
+        t.rank_states(),
+        to_dict(t.cfg),
+        is_best=is_best,
+        metrics={"best_metric": t.state.best_metric},
+        samples_seen=t.state.samples_seen,
+    )
 
 
 def train(t: Trainer) -> int:
@@ -195,7 +186,11 @@ def train(t: Trainer) -> int:
     cfg, acc = t.cfg, t.accelerator
     t.model.train()
     bar = tqdm(total=t.total_steps, initial=t.state.step, desc="train", disable=not acc.is_main_process)
-    throughput, last_save = Throughput(), [time.time()]
+    throughput = Throughput()
+    c = cfg.checkpoint
+    # The stop flag and the time rule are read at log steps only, where logging syncs with the host
+    # anyway: a signal is acted on up to log_every - 1 steps late (SLURM's --signal lead time covers it).
+    policy = CheckpointPolicy(c.every_steps, c.every_minutes, check_every=cfg.train.log_every)
     throughput.samples0 = t.state.samples_seen
     batches = iter(t.stream)
     if t.state.step == 0 and cfg.train.eval_every:
@@ -211,12 +206,15 @@ def train(t: Trainer) -> int:
             score = evaluate(t)
             if t.state.best_metric is None or score > t.state.best_metric:
                 t.state.best_metric, t.state.best_step, is_best = score, step, True
-        maybe_checkpoint(t, last_save, is_best=is_best, force=step == t.total_steps)
-        if t.preemption is not None and t.preemption.should_stop():
-            maybe_checkpoint(t, last_save, force=True)
+        saved = t.checkpointer is not None and (policy.due(step) or is_best or step == t.total_steps)
+        if saved:
+            save_checkpoint(t, is_best)
+            policy.saved()
+        check = step % cfg.train.log_every == 0 or step == t.total_steps
+        if t.preemption is not None and check and t.preemption.should_stop():
+            if t.checkpointer is not None and not saved:
+                save_checkpoint(t)
             log.warning("preemption requested: checkpoint saved at step %d, exiting", step)
-            from pipeline.train.signals import EXIT_CODE_PREEMPTED
-
             return EXIT_CODE_PREEMPTED
     bar.close()
     finish(t)

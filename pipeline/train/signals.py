@@ -108,21 +108,26 @@ def ignore_preemption_signals(*_: Any) -> None:
 class CheckpointPolicy:
     """Periodic checkpoints every ``every_steps`` steps and/or every ``every_minutes`` minutes.
 
-    ``due`` is a collective when ``every_minutes`` is set (one broadcast from rank 0), so call it on
-    every rank at every step boundary. A value of 0 switches a rule off.
+    ``due`` is a collective when ``every_minutes`` is set (one broadcast from rank 0, and a host sync),
+    so call it on every rank at every step boundary; the clock is read only at steps that are multiples
+    of ``check_every`` (the loop's log steps, which sync anyway), so a time-based save may come up to
+    ``check_every - 1`` steps late. A value of 0 switches a rule off.
     """
 
-    def __init__(self, every_steps: int = 0, every_minutes: float = 0.0, now: float | None = None) -> None:
-        if every_steps < 0 or every_minutes < 0:
-            raise ValueError("every_steps and every_minutes must be >= 0")
+    def __init__(
+        self, every_steps: int = 0, every_minutes: float = 0.0, now: float | None = None, check_every: int = 1
+    ) -> None:
+        if every_steps < 0 or every_minutes < 0 or check_every < 1:
+            raise ValueError("every_steps and every_minutes must be >= 0, check_every >= 1")
         self.every_steps = every_steps
         self.every_minutes = every_minutes
+        self.check_every = check_every
         self.last_save = time.monotonic() if now is None else now
 
     def due(self, step: int, now: float | None = None) -> bool:
         """Whether to save after optimizer step ``step``; the same answer on every rank."""
         by_steps = self.every_steps > 0 and step > 0 and step % self.every_steps == 0
-        if self.every_minutes > 0:
+        if self.every_minutes > 0 and step % self.check_every == 0:
             now = time.monotonic() if now is None else now
             local = by_steps or (now - self.last_save) >= self.every_minutes * 60
             # rank 0's clock decides; the broadcast makes every rank take the same branch.
