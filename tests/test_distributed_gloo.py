@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from pipeline import distributed
-from pipeline.losses import cosent, multi_positive, simcse, sup_simcse
+from pipeline.losses import cosent, distill, multi_positive, simcse, sup_simcse
 from pipeline.train.queue import NegativeQueue
 
 pytestmark = pytest.mark.slow
@@ -44,6 +44,10 @@ def global_inputs() -> dict[str, torch.Tensor]:
         "v": torch.randn(WORLD * B, H, generator=g, dtype=torch.float64),
         "labels": torch.tensor([0.0, 3.0, 1.0, 5.0, 3.0, 2.0], dtype=torch.float64),
         "features": torch.randn(N_VIEWS, WORLD * B, 6, generator=g),
+        "teacher": unit(WORLD * B, 5),  # a wider teacher (D_t = 5 != H) for the KL term
+        "teacher_same": unit(WORLD * B, H),  # an equal-width teacher for the teacher positive
+        "teacher_queue": unit(5, 5),
+        "hard": unit(2, WORLD * B, H),  # m = 2 hard negatives per sentence
     }
 
 
@@ -73,14 +77,31 @@ CASES = {
         ["anchor", "positive", "negative"],
     ),
     "cosent": (lambda x, gather: cosent.compute_loss(x["u"], x["v"], x["labels"], gather=gather), ["u", "v"]),
+    "kl_queue": (
+        lambda x, gather: distill.kl_loss(
+            x["views"][0], x["teacher"], 0.07, TAU, x["queue"], x["teacher_queue"], gather=gather
+        ),
+        ["views"],
+    ),
+    "luse_teacher_hard": (
+        lambda x, gather: multi_positive.compute_loss(
+            x["views"],
+            TAU,
+            queue=x["queue"],
+            gather=gather,
+            teacher=x["teacher_same"],
+            hard_negatives=x["hard"],
+        ),
+        ["views", "hard"],
+    ),
 }
 
 
 def local_slice(name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
     """Rank ``rank``'s rows of a per-sample input (dim 1 for view stacks, dim 0 otherwise)."""
-    if name in ("views", "features"):
+    if name in ("views", "features", "hard"):
         return tensor[:, rank * B : (rank + 1) * B]
-    if name == "queue":
+    if name in ("queue", "teacher_queue"):
         return tensor  # identical on every rank
     return tensor[rank * B : (rank + 1) * B]
 
@@ -179,7 +200,7 @@ def test_gathered_loss_equals_single_process(ranks, case):
     torch.testing.assert_close(mean_over_ranks, loss.detach())
     for k in sample_inputs:
         per_rank = [r[f"{case}/grads"][k] for r in ranks]
-        dim = 1 if k == "views" else 0
+        dim = 1 if k in ("views", "hard") else 0
         torch.testing.assert_close(torch.cat(per_rank, dim=dim), full[k].grad)
 
 

@@ -257,6 +257,6 @@ def test_registry_names_inputs_and_unknown_name():
     assert set(OBJECTIVES) == {"luse", "simcse", "sup_simcse", "cosent", "sbert"}
     assert OBJECTIVE_INPUTS["luse"] == "views" and OBJECTIVE_INPUTS["cosent"] == "scored_pairs"
     assert all(callable(m.compute_loss) for m in OBJECTIVES.values())
-    assert [n for n, m in OBJECTIVES.items() if m.USES_QUEUE] == ["luse"]
+    assert [n for n, m in OBJECTIVES.items() if m.uses_queue] == ["luse"]
     with pytest.raises(ConfigError, match="one of luse"):
         get_objective("simcsee")

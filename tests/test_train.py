@@ -77,7 +77,7 @@ def test_final_model_best_is_the_best_checkpoint(tmp_path, shards):
     cfg = debug_cfg(tmp_path, shards, **overrides)
     assert run(cfg) == 0
     evals = [r for r in read_metrics(cfg.run_dir) if r.get("event") == "eval"]
-    scored = {e["step"]: e["sts_b_valid_spearman"] for e in evals if e["step"] > 0}
+    scored = {e["step"]: e["sts_b_valid_spearman"] for e in evals}  # step 0 (the init) is a candidate
     best_step = max(scored, key=lambda s: (scored[s], -s))  # ties: the first one reached stays best
     checkpoints = Checkpointer(cfg.run_dir)
     assert checkpoints.best().name == f"step-{best_step:08d}"
@@ -85,6 +85,59 @@ def test_final_model_best_is_the_best_checkpoint(tmp_path, shards):
     if best_step != 8:  # then the last step's weights differ from what was exported
         assert _safetensors_bytes(cfg.run_dir / "model") != _safetensors_bytes(checkpoints.latest() / "model")
     assert SentenceEncoder.from_pretrained(cfg.run_dir / "model").encode(["一句话"]).shape == (1, 32)
+
+
+def test_keep_best_exports_the_initial_weights_when_no_step_beats_them(tmp_path, shards, monkeypatch, caplog):
+    import pipeline.train.loop as loop
+    from pipeline.train.checkpoint import Checkpointer
+    from pipeline.train.run import run
+
+    real = loop.evaluate
+    # the real evaluation (logged), but every trained step is made to score below the init
+    monkeypatch.setattr(loop, "evaluate", lambda t: real(t) if t.state.step == 0 else -100.0 + t.state.step)
+    overrides = {"train.max_steps": 4, "train.eval_every": 2, "train.final_model": "best"}
+    cfg = debug_cfg(tmp_path, shards, **overrides)
+    with caplog.at_level("WARNING", logger="pipeline.train.loop"):
+        assert run(cfg) == 0
+    assert "no step beat the initial model" in caplog.text
+    checkpoints = Checkpointer(cfg.run_dir)
+    assert checkpoints.best().name == "step-00000000"
+    assert _safetensors_bytes(cfg.run_dir / "model") == _safetensors_bytes(checkpoints.best() / "model")
+    assert _safetensors_bytes(cfg.run_dir / "model") != _safetensors_bytes(checkpoints.latest() / "model")
+    final = [r for r in read_metrics(cfg.run_dir) if r.get("event") == "final_model"]
+    assert len(final) == 1 and final[0]["step"] == 0 and final[0]["initial_weights"] is True
+
+
+def test_distillation_hard_negatives_and_teacher_queue_in_train_step(tmp_path, shards):
+    from pipeline.train.build import build
+    from pipeline.train.loop import train_step
+
+    overrides = {
+        "objective.queue_size": 16,
+        "objective.distill_weight": 1.0,
+        "objective.kl_weight": 0.5,
+        "objective.teacher_positive": True,
+        "objective.teacher_dim": 12,
+        "train.grad_accum_steps": 2,
+    }
+    t = build(debug_cfg(tmp_path, shards, **overrides))
+    assert isinstance(t.module.head, torch.nn.Linear) and "teacher_queue" in t.states()
+    batch = next(iter(t.stream))
+    n, b = batch["num_views"], batch["input_ids"].shape[0] // batch["num_views"]
+    g = torch.Generator().manual_seed(0)
+    hard = torch.randint(0, b, (2 * b,), generator=g)  # m = 2 hard negatives: other sentences' originals
+    batch["input_ids"] = torch.cat([batch["input_ids"], batch["input_ids"][hard]])
+    batch["attention_mask"] = torch.cat([batch["attention_mask"], batch["attention_mask"][hard]])
+    batch["num_hard_negatives"] = 2
+    batch["teacher"] = torch.nn.functional.normalize(torch.randn(b, 12, generator=g), dim=-1)
+    out = train_step(t, batch)
+    assert {"loss", "contrastive_loss", "distill_loss", "kl_loss"} <= set(out)
+    assert all(math.isfinite(float(v)) for k, v in out.items() if k.endswith("loss"))
+    assert out["embeddings"].shape[:2] == (n, b // 2)  # the last micro-batch's views only
+    # the teacher queue holds the teacher rows of the enqueued originals, in the same order as the keys
+    torch.testing.assert_close(t.teacher_queue.negatives(), batch["teacher"].to(t.teacher_queue.keys.dtype))
+    assert t.queue.fill == t.teacher_queue.fill == b
+    t.close()
 
 
 def test_grad_accumulation_and_simcse_run(tmp_path, shards):
@@ -125,7 +178,6 @@ def test_gradcache_matches_the_plain_step(tmp_path, shards, dropout):
     t = build(cfg)
     batch = next(iter(t.stream))
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
-    n = batch["num_views"]
     size = cfg.train.gradcache_chunk_size
 
     # reference: a forward with graph, chunk by chunk from the same RNG state (dropout on), or whole (off)
@@ -138,14 +190,16 @@ def test_gradcache_matches_the_plain_step(tmp_path, shards, dropout):
         emb = torch.cat(parts)
     else:
         emb = t.model(**inputs)
-    ref_loss = compute_objective(t, emb.view(n, -1, emb.shape[-1]), {})
+    ref_loss = compute_objective(t, emb, batch)["loss"]
     ref_loss.backward()
     ref = _grads(t.module)
     t.optimizer.zero_grad(set_to_none=True)
 
     torch.manual_seed(7)
-    loss, cached = chunked_forward_backward(t, inputs, n, {})
+    parts, cached = chunked_forward_backward(t, inputs, lambda rows: compute_objective(t, rows, batch))
     got = _grads(t.module)
+    loss = parts["loss"]
+    assert cached.shape == (len(inputs["input_ids"]), emb.shape[-1])
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
     assert len(got) == len(ref) > 0
     for a, b in zip(got, ref):

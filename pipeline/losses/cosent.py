@@ -21,9 +21,7 @@ import torch.nn.functional as F
 
 from pipeline.distributed import all_gather_no_grad, all_gather_with_grad
 from pipeline.losses._precision import at_least_float32
-
-INPUT = "scored_pairs"  # u, v: (B, H), labels: (B,) float scores
-USES_QUEUE = False
+from pipeline.losses.objective import Objective
 
 
 def compute_loss(
@@ -51,3 +49,14 @@ def compute_loss(
     diff = diff.masked_fill(~ordered, float("-inf"))  # (N, N)
     zero = torch.zeros(1, dtype=diff.dtype, device=diff.device)  # (1,): the "1 +" inside the log
     return torch.logsumexp(torch.cat([zero, diff.flatten()]), dim=0)
+
+
+OBJECTIVE = Objective(
+    name="cosent",
+    summary="CoSENT ranking of scored pairs (pairs file)",
+    input="scored_pairs",  # u, v: (B, H), labels: (B,) float scores
+    data="pairs",
+    compute_loss=compute_loss,
+    contrastive=lambda e, x: compute_loss(e[0], e[1], x.labels, x.config.cosent_scale, gather=x.gather),
+    label_dtype=torch.float32,
+)

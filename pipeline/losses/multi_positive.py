@@ -16,6 +16,10 @@ denominator, where it is always the largest logit (1/tau = 20 at tau=0.05) and o
 pull towards the anchor itself; we drop it from numerator and denominator. LUSE's MoCo queue is an
 empty stub; here the queue (:mod:`pipeline.train.queue`) supplies real extra negatives.
 
+Distillation and mining extras (docs/objectives.md): with ``teacher`` each anchor gains its sentence's
+teacher embedding as one more positive (target 1/n on each of the n positives) and the global batch's
+teacher vectors join the candidates; ``hard_negatives`` (m, B, H) join every anchor's candidates.
+
 Temperature ``tau`` divides the cosine similarities before the softmax. Small tau (0.05, as in
 SimCSE) sharpens the distribution so that the hardest negatives dominate the gradient; large tau
 spreads it over all negatives. The logits range over [-1/tau, 1/tau].
@@ -28,14 +32,14 @@ averages gradients the update equals the single-process update over the concaten
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-from pipeline.distributed import all_gather_with_grad, rank
+from pipeline.distributed import all_gather_no_grad, all_gather_with_grad, rank
 from pipeline.losses._precision import at_least_float32
-
-INPUT = "views"  # embeddings (n_views, B, H): original, EDA variants, dropout views
-USES_QUEUE = True
+from pipeline.losses.objective import LossInputs, Objective
 
 
 def compute_loss(
@@ -43,6 +47,9 @@ def compute_loss(
     temperature: float = 0.05,
     queue: torch.Tensor | None = None,
     gather: bool = True,
+    teacher: torch.Tensor | None = None,
+    hard_negatives: torch.Tensor | None = None,
+    project: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Multi-positive listwise loss over (n_views, B, H) L2-normalised embeddings.
 
@@ -51,12 +58,18 @@ def compute_loss(
         temperature: tau, the divisor of cosine similarities (see the module docstring).
         queue: (Q, H) extra negatives, identical on every rank; never receives gradient.
         gather: gather all ranks' views as candidates (a collective: every rank must call it).
+        teacher: (B_local, D_t) teacher embeddings of the sentences: one more positive per anchor, and
+            the global batch's teacher vectors join the candidates (no gradient). Lets n_views be 1.
+        hard_negatives: (m, B_local, H) mined negatives (with gradient); the global batch's join every
+            anchor's candidates, never as positives.
+        project: maps anchors (., H) to the teacher's width when D_t != H (the distillation head).
 
     Returns:
         A scalar, the mean over the n_views * B_local local anchors.
     """
-    if embeddings.dim() != 3 or embeddings.shape[0] < 2:
-        raise ValueError(f"embeddings must be (n_views >= 2, B, H), got {tuple(embeddings.shape)}")
+    min_views = 1 if teacher is not None else 2
+    if embeddings.dim() != 3 or embeddings.shape[0] < min_views:
+        raise ValueError(f"embeddings must be (n_views >= {min_views}, B, H), got {tuple(embeddings.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     n_views, batch, dim = embeddings.shape
@@ -72,17 +85,57 @@ def compute_loss(
     local = torch.arange(n_views * batch, device=device)  # (n * B,)
     is_self = torch.zeros_like(logits, dtype=torch.bool)  # (n * B, W * n * B)
     is_self[local, offset + local] = True
-    logits = logits.masked_fill(is_self, float("-inf"))  # (n * B, W * n * B)
+    columns = [logits.masked_fill(is_self, float("-inf"))]  # (n * B, W * n * B)
+    if hard_negatives is not None and hard_negatives.numel():
+        m = hard_negatives.shape[0]
+        negatives = at_least_float32(hard_negatives.reshape(m * batch, dim))  # (m * B, H)
+        negatives = all_gather_with_grad(negatives) if gather else negatives  # (W * m * B, H)
+        columns.append(anchors @ negatives.T / temperature)  # (n * B, W * m * B)
+    teacher_start = sum(c.shape[1] for c in columns)
+    if teacher is not None:
+        t = F.normalize(teacher.to(anchors.dtype), dim=-1)  # (B, D_t)
+        t_all = all_gather_no_grad(t) if gather else t  # (W * B, D_t)
+        a = anchors if project is None else F.normalize(project(anchors).to(anchors.dtype), dim=-1)
+        columns.append(a @ t_all.T / temperature)  # (n * B, W * B)
     if queue is not None and queue.shape[0] > 0:
-        queue_logits = anchors @ queue.detach().to(anchors.dtype).T / temperature  # (n * B, Q)
-        logits = torch.cat([logits, queue_logits], dim=1)  # (n * B, W * n * B + Q)
-    log_prob = F.log_softmax(logits, dim=1)  # (n * B, W * n * B + Q)
+        columns.append(anchors @ queue.detach().to(anchors.dtype).T / temperature)  # (n * B, Q)
+    log_prob = F.log_softmax(torch.cat(columns, dim=1), dim=1)  # (n * B, all candidates)
 
-    # Positives of anchor (v, b): views (v + k) % n of sentence b for k = 1 .. n-1.
+    # Positives of anchor (v, b): views (v + k) % n of sentence b for k = 1 .. n-1 (and its teacher).
     view = local // batch  # (n * B,)
     sentence = local % batch  # (n * B,)
     shift = torch.arange(1, n_views, device=device)  # (n - 1,)
     positive_view = (view[:, None] + shift[None, :]) % n_views  # (n * B, n - 1)
     positive = offset + positive_view * batch + sentence[:, None]  # (n * B, n - 1)
-    positive_log_prob = log_prob.gather(1, positive)  # (n * B, n - 1)
+    if teacher is not None:
+        own_teacher = teacher_start + (rank() * batch if gather else 0) + sentence[:, None]  # (n * B, 1)
+        positive = torch.cat([positive, own_teacher], dim=1)  # (n * B, n)
+    positive_log_prob = log_prob.gather(1, positive)  # (n * B, n - 1 [+ 1])
     return -positive_log_prob.mean(dim=1).mean()
+
+
+def _objective_loss(embeddings: torch.Tensor, x: LossInputs) -> torch.Tensor:
+    o = x.config
+    return compute_loss(
+        embeddings,
+        o.temperature,
+        queue=x.queue,
+        gather=x.gather,
+        teacher=x.teacher if o.teacher_positive else None,
+        hard_negatives=x.hard_negatives,
+        project=x.head,
+    )
+
+
+OBJECTIVE = Objective(
+    name="luse",
+    summary="multi-positive listwise over original + EDA variants + dropout views, queue (shards)",
+    input="views",  # embeddings (n_views, B, H): original, EDA variants, dropout views
+    data="shards",
+    compute_loss=compute_loss,
+    contrastive=_objective_loss,
+    uses_variants=True,
+    uses_queue=True,
+    uses_teacher_positive=True,
+    uses_hard_negatives=True,
+)

@@ -21,9 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.losses._precision import at_least_float32
-
-INPUT = "labeled_pairs"  # u, v: (B, H), labels: (B,) class indices
-USES_QUEUE = False
+from pipeline.losses.objective import Objective
 
 
 class SoftmaxHead(nn.Module):
@@ -49,3 +47,15 @@ def compute_loss(u: torch.Tensor, v: torch.Tensor, labels: torch.Tensor, head: S
         )
     logits = head(u, v)  # (B, num_labels)
     return F.cross_entropy(at_least_float32(logits), labels.to(logits.device).long())
+
+
+OBJECTIVE = Objective(
+    name="sbert",
+    summary="Sentence-BERT softmax classifier over labelled pairs (pairs file)",
+    input="labeled_pairs",  # u, v: (B, H), labels: (B,) class indices
+    data="pairs",
+    compute_loss=compute_loss,
+    contrastive=lambda e, x: compute_loss(e[0], e[1], x.labels, x.head),
+    label_dtype=torch.long,
+    make_head=lambda dim, config: SoftmaxHead(dim, config.num_labels),
+)

@@ -31,9 +31,7 @@ import torch.nn.functional as F
 
 from pipeline.distributed import all_gather_with_grad, rank
 from pipeline.losses._precision import at_least_float32
-
-INPUT = "two_views"  # embeddings (2, B, H): two dropout encodings of the same sentences
-USES_QUEUE = False
+from pipeline.losses.objective import Objective
 
 
 def compute_loss(embeddings: torch.Tensor, temperature: float = 0.05, gather: bool = True) -> torch.Tensor:
@@ -50,3 +48,13 @@ def compute_loss(embeddings: torch.Tensor, temperature: float = 0.05, gather: bo
     logits = anchors @ candidates.T / temperature  # (B, W * B)
     target = offset + torch.arange(batch, device=embeddings.device)  # (B,)
     return F.cross_entropy(logits, target)
+
+
+OBJECTIVE = Objective(
+    name="simcse",
+    summary="unsupervised SimCSE, 2 dropout views (shards)",
+    input="two_views",  # embeddings (2, B, H): two dropout encodings of the same sentences
+    data="shards",
+    compute_loss=compute_loss,
+    contrastive=lambda embeddings, x: compute_loss(embeddings, x.config.temperature, gather=x.gather),
+)

@@ -18,9 +18,7 @@ import torch.nn.functional as F
 
 from pipeline.distributed import all_gather_with_grad, rank
 from pipeline.losses._precision import at_least_float32
-
-INPUT = "triples"  # anchor, positive, negative: each (B, H)
-USES_QUEUE = False
+from pipeline.losses.objective import Objective
 
 
 def compute_loss(
@@ -47,3 +45,14 @@ def compute_loss(
     logits = at_least_float32(anchor) @ candidates.T / temperature  # (B, 2 * W * B)
     target = (rank() * batch if gather else 0) + torch.arange(batch, device=anchor.device)  # (B,)
     return F.cross_entropy(logits, target)
+
+
+OBJECTIVE = Objective(
+    name="sup_simcse",
+    summary="supervised SimCSE with hard negatives (triples file)",
+    input="triples",  # anchor, positive, negative: each (B, H)
+    data="triples",
+    compute_loss=compute_loss,
+    contrastive=lambda e, x: compute_loss(e[0], e[1], e[2], x.config.temperature, gather=x.gather),
+    num_texts=3,
+)

@@ -13,7 +13,6 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from pipeline.data.stream import (
 )
 from pipeline.errors import ConfigError
 from pipeline.evaluate.sts import PairSet, read_pair_file
-from pipeline.losses import get_objective
+from pipeline.losses import Objective, get_objective
 from pipeline.losses.mlm import MLMCollator, MLMHead
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
 from pipeline.model.vocab import read_model_config, write_vocab
@@ -102,12 +101,13 @@ class Trainer:
     optimizer: Any
     schedule: LRSchedule
     stream: BatchStream
-    objective: ModuleType
+    objective: Objective
     state: TrainState
     metrics: MetricsLogger
     total_steps: int
     queue: nn.Module | None = None
     momentum_encoder: nn.Module | None = None
+    teacher_queue: nn.Module | None = None  # teacher embeddings of the queued sentences (objective.kl_weight)
     checkpointer: Checkpointer | None = None
     preemption: PreemptionHandler | None = None
     sts_valid: PairSet | None = None  # rank 0 only: the STS-B valid pairs scored by evaluate()
@@ -131,6 +131,8 @@ class Trainer:
             out["queue"] = self.queue
         if self.momentum_encoder is not None:
             out["momentum_encoder"] = self.momentum_encoder
+        if self.teacher_queue is not None:
+            out["teacher_queue"] = self.teacher_queue
         return out
 
     def rank_states(self) -> dict[str, Any]:
@@ -271,7 +273,7 @@ def read_records(cfg: Config) -> list[tuple]:
     from pipeline.data.pairs import read_pairs, read_triples
 
     path = resolve_path(cfg.data.supervised_file)
-    if cfg.objective.name == "sup_simcse":
+    if get_objective(cfg.objective.name).data == "triples":
         return [(t.anchor, t.positive, t.negative, None) for t in read_triples(path)]
     return [(p.text_a, p.text_b, p.label) for p in read_pairs(path)]
 
@@ -279,22 +281,21 @@ def read_records(cfg: Config) -> list[tuple]:
 def build_stream(cfg: Config, tokenizer: Any, rank: int, world: int, prefix: str = "") -> BatchStream:
     """This rank's batches; ``prefix`` is the encoder's text prefix, put before every text once."""
     d, t = cfg.data, cfg.train
-    if cfg.objective.name in UNSUPERVISED:
+    objective = get_objective(cfg.objective.name)
+    if objective.unsupervised:
         blocks = dist.broadcast_object(index_shards(d.shards, d.verify_shards) if rank == 0 else None)
-        k, views = (d.num_variants, d.num_dropout_views) if cfg.objective.name == "luse" else (0, 1)
+        k, views = (d.num_variants, d.num_dropout_views) if objective.uses_variants else (0, 1)
         collate = ViewCollator(tokenizer, d.max_length, k, views, prefix)
         source: Any = ShardSource(blocks, collate.columns)
         if cfg.objective.mlm_weight:  # masks drawn in the loader workers, from the data position
             collate = MLMCollator(collate, tokenizer, t.seed, cfg.objective.mlm_probability)
     else:
         records = read_records(cfg)
-        n_text = 3 if cfg.objective.name == "sup_simcse" else 2
+        n_text, label_dtype = objective.num_texts, objective.label_dtype
         columns = {f"text{i}": [r[i] for r in records] for i in range(n_text)}
         columns["index"] = list(range(len(records)))
-        label_dtype = None
-        if cfg.objective.name != "sup_simcse":
+        if label_dtype is not None:
             columns["label"] = [r[-1] for r in records]
-            label_dtype = torch.long if cfg.objective.name == "sbert" else torch.float32
         text_columns = [f"text{i}" for i in range(n_text)]
         collate = PairCollator(tokenizer, d.max_length, text_columns, label_dtype, prefix)
         source = MemorySource(columns)
@@ -307,10 +308,20 @@ def build_queue(cfg: Config, encoder: SentenceEncoder) -> tuple[nn.Module | None
     from pipeline.train.queue import MomentumEncoder, NegativeQueue, needs_forward
 
     o = cfg.objective
-    if o.name != "luse" or not o.queue_size:
+    if not get_objective(o.name).uses_queue or not o.queue_size:
         return None, None
     queue = NegativeQueue(o.queue_size, encoder.dim)
     return queue, (MomentumEncoder(encoder) if needs_forward(o.momentum) else None)
+
+
+def build_teacher_queue(cfg: Config, queue: nn.Module | None) -> nn.Module | None:
+    """With the KL term and a queue: the teacher embeddings of the queued sentences, row for row."""
+    from pipeline.train.queue import NegativeQueue
+
+    o = cfg.objective
+    if queue is None or not o.kl_weight:
+        return None
+    return NegativeQueue(o.queue_size, o.teacher_dim or queue.dim)
 
 
 def build_checkpointing(cfg: Config, trainer: Trainer) -> None:
@@ -353,7 +364,8 @@ def build(cfg: Config) -> Trainer:
     accelerator = build_accelerator(cfg)
     world, rank = accelerator.num_processes, accelerator.process_index
     cached = None
-    if cfg.objective.name == "luse":
+    objective = get_objective(cfg.objective.name)
+    if objective.uses_variants:
         if not Path(cfg.data.shards).is_dir():
             raise ConfigError(
                 f"data.shards: {cfg.data.shards} is not a directory; run preprocess/augment first"
@@ -369,9 +381,7 @@ def build(cfg: Config) -> Trainer:
 
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     encoder = build_encoder(cfg)
-    head = None
-    if cfg.objective.name == "sbert":
-        head = get_objective("sbert").SoftmaxHead(encoder.dim, cfg.objective.num_labels)
+    head = objective.build_head(cfg.objective, encoder.dim)
     mlm_head = None
     if cfg.objective.mlm_weight:  # after the encoder: with MLM off the initial weights are unchanged
         bc = encoder.backbone.config
@@ -387,7 +397,8 @@ def build(cfg: Config) -> Trainer:
     o = cfg.optim
     schedule = LRSchedule(optimizer, o.lr, o.warmup_steps, total, o.schedule, o.min_lr_ratio)
     queue, momentum = build_queue(cfg, encoder)
-    for m in (queue, momentum):
+    teacher_queue = build_teacher_queue(cfg, queue)
+    for m in (queue, momentum, teacher_queue):
         if m is not None:
             m.to(accelerator.device)
     trainer = Trainer(
@@ -398,12 +409,13 @@ def build(cfg: Config) -> Trainer:
         optimizer,
         schedule,
         stream,
-        get_objective(cfg.objective.name),
+        objective,
         TrainState(),
         metrics,
         total,
         queue,
         momentum,
+        teacher_queue,
     )
     log.info(
         "data: %d samples, %d global batches of %d per epoch, %d dropped per epoch; %d steps in all",

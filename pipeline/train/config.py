@@ -14,10 +14,11 @@ from typing import Literal
 
 from pipeline.config import option
 from pipeline.errors import ConfigError
+from pipeline.losses import OBJECTIVES, get_objective
+from pipeline.losses.distill import DISTILL_LOSSES
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-OBJECTIVES = ("luse", "simcse", "sup_simcse", "cosent", "sbert")
-UNSUPERVISED = ("luse", "simcse")
+UNSUPERVISED = tuple(name for name, o in OBJECTIVES.items() if o.unsupervised)  # read the shards
 
 
 def resolve_path(path: Path) -> Path:
@@ -108,11 +109,7 @@ class ModelConfig:
 
 @dataclass
 class ObjectiveConfig:
-    name: Literal["luse", "simcse", "sup_simcse", "cosent", "sbert"] = option(
-        "luse",
-        "luse (multi-positive + queue, shards), simcse (2 dropout views, shards), sup_simcse (triples), "
-        "cosent (scored pairs), sbert (labelled pairs, softmax classifier).",
-    )
+    name: str = option("luse", "; ".join(f"{name}: {o.summary}" for name, o in OBJECTIVES.items()) + ".")
     temperature: float = option(
         0.05, "Softmax temperature tau of the contrastive objectives: logits = cos / tau."
     )
@@ -132,8 +129,44 @@ class ObjectiveConfig:
     mlm_probability: float = option(
         0.15, "Share of a sentence's tokens selected for the MLM loss (BERT: 0.15; split 80/10/10)."
     )
+    contrastive_weight: float = option(
+        1.0, "Weight of the objective's own (contrastive) loss; 0 with a distill weight = distillation alone."
+    )
+    distill_weight: float = option(
+        0.0, "luse/simcse: weight of embedding distillation to the batch's teacher embeddings (0 = off)."
+    )
+    distill_loss: str = option("cosine", "Embedding distillation: cosine (1 - cos) or mse (of unit vectors).")
+    teacher_dim: int = option(
+        0, "Width of the teacher embeddings; 0 = the student's. If it differs, a learned projection is built."
+    )
+    kl_weight: float = option(
+        0.0, "luse/simcse: weight of KL(teacher || student) over in-batch (+ queue) similarities (0 = off)."
+    )
+    kl_teacher_temperature: float = option(0.05, "KL term: temperature of the teacher's softmax.")
+    kl_student_temperature: float = option(0.05, "KL term: temperature of the student's softmax.")
+    teacher_positive: bool = option(
+        False, "luse: the teacher embedding of each sentence is one more positive (and a candidate)."
+    )
 
     def __post_init__(self) -> None:
+        objective = get_objective(self.name)
+        weights = (self.contrastive_weight, self.distill_weight, self.kl_weight)
+        if min(weights) < 0 or not any(weights):
+            raise ConfigError(
+                "objective.contrastive_weight/distill_weight/kl_weight must be >= 0 and one of them > 0"
+            )
+        if self.distill_loss not in DISTILL_LOSSES:
+            raise ConfigError(f"objective.distill_loss must be one of {', '.join(DISTILL_LOSSES)}")
+        if self.teacher_dim < 0 or self.kl_teacher_temperature <= 0 or self.kl_student_temperature <= 0:
+            raise ConfigError("objective.teacher_dim must be >= 0 and the kl temperatures > 0 (try 0.05)")
+        distills = self.distill_weight > 0 or self.kl_weight > 0 or self.teacher_positive
+        if distills and not objective.unsupervised:
+            raise ConfigError(
+                f"objective {self.name}: distillation reads teacher embeddings from the shards; "
+                "use luse or simcse, or set distill_weight/kl_weight to 0 and teacher_positive to false"
+            )
+        if self.teacher_positive and not (objective.uses_teacher_positive and self.contrastive_weight):
+            raise ConfigError("objective.teacher_positive needs objective luse with contrastive_weight > 0")
         if self.mlm_weight < 0:
             raise ConfigError("objective.mlm_weight must be >= 0 (0 turns the MLM loss off; try 0.1)")
         if not 0.0 < self.mlm_probability < 1.0:
@@ -144,7 +177,7 @@ class ObjectiveConfig:
             raise ConfigError("objective.queue_size must be >= 0")
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError("objective.momentum must be in [0, 1) (0 = no momentum encoder)")
-        if self.name != "luse" and (self.queue_size or self.momentum):
+        if not objective.uses_queue and (self.queue_size or self.momentum):
             raise ConfigError(
                 f"objective.queue_size/momentum apply only to luse, not {self.name}; set them to 0"
             )
@@ -255,9 +288,13 @@ class Config:
             raise ConfigError(f"objective {name} reads shards: set --data.shards to an augmented shard dir")
         if name not in UNSUPERVISED and self.data.supervised_file is None:
             raise ConfigError(f"objective {name} needs --data.supervised_file (a TSV/JSONL pair/triple file)")
-        if name == "luse" and self.data.num_variants + self.data.num_dropout_views < 1:
+        o = self.objective
+        positives = self.data.num_variants + self.data.num_dropout_views
+        one_view = get_objective(name).uses_variants and positives < 1
+        if one_view and o.contrastive_weight and not o.teacher_positive:
             raise ConfigError(
-                "luse needs at least one positive: set data.num_variants or num_dropout_views >= 1"
+                "luse needs at least one positive: set data.num_variants or num_dropout_views >= 1 "
+                "(or objective.contrastive_weight 0 for distillation alone, or objective.teacher_positive)"
             )
         if self.objective.mlm_weight and name not in UNSUPERVISED:
             raise ConfigError(
@@ -272,11 +309,8 @@ class Config:
 
     def num_views(self) -> int:
         """Views per sentence n: LUSE 1 + k + d, SimCSE 2, the supervised ones their columns."""
-        if self.objective.name == "luse":
-            return 1 + self.data.num_variants + self.data.num_dropout_views
-        if self.objective.name == "simcse":
-            return 2
-        return 3 if self.objective.name == "sup_simcse" else 2
+        d = self.data
+        return get_objective(self.objective.name).num_views(d.num_variants, d.num_dropout_views)
 
 
 def check_against_environment(cfg: Config, world_size: int, cached_variants: int | None) -> None:
@@ -292,7 +326,7 @@ def check_against_environment(cfg: Config, world_size: int, cached_variants: int
     if cfg.objective.queue_size:
         validate_queue_size(cfg.objective.queue_size, per_rank // accum)
     if (
-        cfg.objective.name == "luse"
+        get_objective(cfg.objective.name).uses_variants
         and cached_variants is not None
         and cfg.data.num_variants > cached_variants
     ):

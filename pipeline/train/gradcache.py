@@ -14,6 +14,7 @@ chunk is recorded in step 1 and replayed in step 3. The cost is a second forward
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -32,28 +33,29 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
 
 
 def chunked_forward_backward(
-    t: Any, inputs: dict[str, torch.Tensor], num_views: int, extra: dict[str, Any]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss and gradients of one batch encoded in chunks of ``train.gradcache_chunk_size`` sequences.
+    t: Any, inputs: dict[str, torch.Tensor], loss_fn: Callable[[torch.Tensor], dict[str, torch.Tensor]]
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Loss and gradients of one batch encoded in chunks of ``train.gradcache_chunk_size`` rows.
 
-    Returns the detached loss and the (n_views, B, H) embeddings. Gradients end up in the model's
-    parameters exactly as one full-batch forward/backward would put them (same dropout masks).
+    ``loss_fn`` maps the encoded rows (N, H) to the objective's parts (``loss`` is the total), e.g.
+    ``lambda rows: compute_objective(t, rows, batch)``; every row of the batch (views and hard
+    negatives alike) is cached. Returns the detached parts and the detached (N, H) rows. Gradients end
+    up in the model's parameters exactly as one full-batch forward/backward would put them (same
+    dropout masks).
     """
-    from pipeline.train.loop import compute_objective
-
     acc, model, size = t.accelerator, t.model, t.cfg.train.gradcache_chunk_size
     device = inputs["input_ids"].device
     total = inputs["input_ids"].shape[0]
     chunks = [slice(i, min(i + size, total)) for i in range(0, total, size)]
-    states, parts = [], []
+    states, outs = [], []
     with torch.no_grad():
         for c in chunks:
             states.append(_rng_state(device))
-            parts.append(model(input_ids=inputs["input_ids"][c], attention_mask=inputs["attention_mask"][c]))
+            outs.append(model(input_ids=inputs["input_ids"][c], attention_mask=inputs["attention_mask"][c]))
     after = _rng_state(device)
-    cached = torch.cat(parts).detach().requires_grad_()  # (N, H), a leaf: its .grad is the cache
-    loss = compute_objective(t, cached.view(num_views, -1, cached.shape[-1]), extra)
-    acc.backward(loss)  # loss -> embeddings only (plus any collective inside the loss), scaled for fp16
+    cached = torch.cat(outs).detach().requires_grad_()  # (N, H), a leaf: its .grad is the cache
+    parts = loss_fn(cached)
+    acc.backward(parts["loss"])  # loss -> embeddings only (plus any collective inside the loss), fp16-scaled
     for i, c in enumerate(chunks):
         _set_rng_state(states[i], device)
         # all-reduce gradients once, after the last chunk (DDP), not after every chunk
@@ -64,4 +66,4 @@ def chunked_forward_backward(
             )  # (n_c, H)
             out.backward(cached.grad[c].to(out.dtype))
     _set_rng_state(after, device)
-    return loss.detach(), cached.detach().view(num_views, -1, cached.shape[-1])
+    return {k: v.detach() for k, v in parts.items()}, cached.detach()

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from pipeline import distributed as dist
 from pipeline.config import to_dict
 from pipeline.evaluate.sts import score_pairs
+from pipeline.losses import LossInputs
 from pipeline.losses.mlm import compute_loss as mlm_loss
 from pipeline.train.build import Trainer
 from pipeline.train.gradcache import chunked_forward_backward
@@ -29,106 +30,127 @@ from pipeline.train.signals import EXIT_CODE_PREEMPTED, CheckpointPolicy
 log = logging.getLogger(__name__)
 
 
-def compute_objective(t: Trainer, emb: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-    """The configured loss over embeddings (n_views, B, H) of one micro-batch."""
-    o, name = t.cfg.objective, t.cfg.objective.name
-    if name == "luse":
-        negatives = t.queue.negatives() if t.queue is not None else None  # (filled, H)
-        return t.objective.compute_loss(emb, o.temperature, queue=negatives)
-    if name == "simcse":
-        return t.objective.compute_loss(emb, o.temperature)
-    if name == "sup_simcse":
-        return t.objective.compute_loss(emb[0], emb[1], emb[2], o.temperature)
-    if name == "cosent":
-        return t.objective.compute_loss(emb[0], emb[1], batch["labels"], o.cosent_scale)
-    return t.objective.compute_loss(emb[0], emb[1], batch["labels"], t.module.head)
+PER_SENTENCE = ("labels", "teacher", "mlm_input_ids", "mlm_labels")  # one row (or label) per sentence
+
+
+def rows_per_sentence(batch: dict[str, Any]) -> int:
+    """n views plus m hard negatives: the batch's rows are (n + m) blocks of B, view-major."""
+    return batch["num_views"] + batch.get("num_hard_negatives", 0)
+
+
+def compute_objective(t: Trainer, rows: torch.Tensor, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The objective's weighted ``loss`` and its parts over one micro-batch's encoded rows (N, H).
+
+    Rows [0, n*B) are the n views, rows [n*B, (n+m)*B) the m hard negatives of each sentence.
+    """
+    n, m = batch["num_views"], batch.get("num_hard_negatives", 0)
+    b = rows.shape[0] // (n + m)
+    device = rows.device
+    labels, teacher = batch.get("labels"), batch.get("teacher")
+    inputs = LossInputs(
+        t.cfg.objective,
+        labels=None if labels is None else labels.to(device),
+        head=t.module.head,
+        queue=t.queue.negatives() if t.queue is not None else None,  # (filled, H)
+        teacher=None if teacher is None else teacher.to(device, non_blocking=True),  # (B, D_t)
+        teacher_queue=t.teacher_queue.negatives() if t.teacher_queue is not None else None,
+        hard_negatives=rows[n * b :].view(m, b, rows.shape[-1]) if m else None,  # (m, B, H)
+    )
+    return t.objective.loss(rows[: n * b].view(n, b, rows.shape[-1]), inputs)  # views (n, B, H)
 
 
 def micro_batches(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
-    """Split a rank's batch (view-major rows) into ``parts`` micro-batches of whole sentences."""
+    """Split a rank's batch (view-major rows, hard negatives last) into ``parts`` micro-batches of whole
+    sentences, each with its sentences' views, hard negatives, labels and teacher embeddings."""
     if parts == 1:
         return [batch]
-    n = batch["num_views"]
-    b = batch["input_ids"].shape[0] // n
+    blocks = rows_per_sentence(batch)
+    b = batch["input_ids"].shape[0] // blocks
     size = b // parts
     out = []
     for p in range(parts):
-        rows = torch.cat([torch.arange(v * b + p * size, v * b + (p + 1) * size) for v in range(n)])
+        rows = torch.cat([torch.arange(v * b + p * size, v * b + (p + 1) * size) for v in range(blocks)])
         mb = {
-            "num_views": n,
+            "num_views": batch["num_views"],
+            "num_hard_negatives": batch.get("num_hard_negatives", 0),
             "input_ids": batch["input_ids"][rows],
             "attention_mask": batch["attention_mask"][rows],
         }
-        for key in ("labels", "mlm_input_ids", "mlm_labels"):  # one row (or label) per sentence
+        for key in PER_SENTENCE:
             if key in batch:
                 mb[key] = batch[key][p * size : (p + 1) * size]
         out.append(mb)
     return out
 
 
-def enqueue_keys(t: Trainer, emb: torch.Tensor, inputs: dict[str, torch.Tensor]) -> None:
-    """Keys of this micro-batch's originals into the queue (gathered from all ranks: a collective)."""
+def enqueue_keys(t: Trainer, rows: torch.Tensor, inputs: dict[str, torch.Tensor], mb: dict[str, Any]) -> None:
+    """Keys of this micro-batch's originals into the queue, and their teacher embeddings into the teacher
+    queue alongside (gathered from all ranks: collectives)."""
     if t.queue is None:
         return
+    b = rows.shape[0] // rows_per_sentence(mb)
     if t.momentum_encoder is not None:
-        b = emb.shape[1]
         keys = t.momentum_encoder.encode(
             input_ids=inputs["input_ids"][:b], attention_mask=inputs["attention_mask"][:b]
         )
     else:
-        keys = emb[0].detach()  # momentum 0: a memory bank of the online view-0 embeddings
+        keys = rows[:b].detach()  # momentum 0: a memory bank of the online view-0 embeddings
     t.queue.enqueue_gathered(keys)  # (B, H) per rank -> (W * B, H) on every rank
+    if t.teacher_queue is not None:
+        t.teacher_queue.enqueue_gathered(mb["teacher"].to(keys.device))  # (B, D_t) -> (W * B, D_t)
 
 
 def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     """One optimizer step over this rank's slice of a global batch; returns detached device tensors."""
     acc, cfg = t.accelerator, t.cfg
     t.schedule.apply(t.state.step)  # before backward: DeepSpeed steps inside accelerator.backward
-    losses, parts = [], []
+    parts: list[dict[str, torch.Tensor]] = []
     for mb in micro_batches(batch, cfg.train.grad_accum_steps):
         inputs = {k: mb[k].to(acc.device, non_blocking=True) for k in ("input_ids", "attention_mask")}
-        labels = mb["labels"].to(acc.device) if "labels" in mb else None
         with acc.accumulate(t.model):
             if cfg.train.gradcache_chunk_size:
-                loss, emb = chunked_forward_backward(t, inputs, mb["num_views"], {"labels": labels})
+                part, rows = chunked_forward_backward(t, inputs, lambda rows: compute_objective(t, rows, mb))
             elif t.module.mlm_head is not None:
-                loss, emb, part = mlm_forward_backward(t, inputs, mb)
-                parts.append(part)
+                part, rows = mlm_forward_backward(t, inputs, mb)
             else:
-                emb = t.model(**inputs).view(mb["num_views"], -1, t.encoder.dim)  # (n, B, H)
-                loss = compute_objective(t, emb, {"labels": labels})
-                acc.backward(loss)
+                rows = t.model(**inputs)  # (N, H): n views then m hard negatives, B rows each
+                part = compute_objective(t, rows, mb)
+                acc.backward(part["loss"])
             if acc.sync_gradients and cfg.optim.grad_clip and acc.distributed_type.value != "DEEPSPEED":
                 acc.clip_grad_norm_(t.model.parameters(), cfg.optim.grad_clip)
             t.optimizer.step()
             t.optimizer.zero_grad(set_to_none=True)
-        enqueue_keys(t, emb, inputs)
-        losses.append(loss.detach())
+        enqueue_keys(t, rows, inputs, mb)
+        parts.append({k: v.detach() for k, v in part.items()})
     if t.momentum_encoder is not None:
         t.momentum_encoder.update(t.module.encoder, cfg.objective.momentum)
     t.state.step += 1
     t.state.samples_seen += cfg.train.global_batch_size
-    out = {"loss": torch.stack(losses).mean(), "embeddings": emb.detach()}
-    if parts:
-        out["contrastive_loss"], out["mlm_loss"] = torch.stack(parts).mean(0)
+    n, b = mb["num_views"], rows.shape[0] // rows_per_sentence(mb)
+    out = {"embeddings": rows[: n * b].detach().view(n, b, -1)}  # (n, B, H) of the last micro-batch
+    out["loss"] = torch.stack([p["loss"] for p in parts]).mean()
+    if len(parts[0]) > 2:  # more than one term: log each (contrastive, distill, kl, mlm)
+        for key in parts[0].keys() - {"loss"}:
+            out[f"{key}_loss"] = torch.stack([p[key] for p in parts]).mean()
     return out
 
 
 def mlm_forward_backward(
     t: Trainer, inputs: dict[str, torch.Tensor], mb: dict[str, Any]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """contrastive + lambda * MLM on one micro-batch (luse/simcse); one backward of the sum.
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """objective + lambda * MLM on one micro-batch (luse/simcse); one backward of the sum.
 
-    Returns the total loss, the (n, B, H) embeddings and the detached (contrastive, mlm) pair.
+    Returns the parts (``loss`` the total, the objective's parts, ``mlm``) and the encoded rows (N, H).
     """
     device = t.accelerator.device
-    emb, logits = t.model(**inputs, mlm_input_ids=mb["mlm_input_ids"].to(device, non_blocking=True))
-    emb = emb.view(mb["num_views"], -1, t.encoder.dim)  # (n, B, H)
-    contrastive = compute_objective(t, emb, {"labels": None})
+    rows, logits = t.model(**inputs, mlm_input_ids=mb["mlm_input_ids"].to(device, non_blocking=True))
+    parts = compute_objective(t, rows, mb)
+    if len(parts) == 2:  # the objective alone: name its one part as before
+        parts = {"loss": parts["loss"], "contrastive": parts["loss"]}
     mlm = mlm_loss(logits, mb["mlm_labels"].to(device, non_blocking=True))  # logits (B, L, V)
-    loss = contrastive + t.cfg.objective.mlm_weight * mlm
+    loss = parts["loss"] + t.cfg.objective.mlm_weight * mlm
     t.accelerator.backward(loss)
-    return loss, emb, torch.stack([contrastive.detach(), mlm.detach()])
+    return {**parts, "loss": loss, "mlm": mlm}, rows
 
 
 def log_step(t: Trainer, out: dict[str, torch.Tensor], throughput: Throughput, bar: Any) -> None:
@@ -137,13 +159,12 @@ def log_step(t: Trainer, out: dict[str, torch.Tensor], throughput: Throughput, b
     record: dict[str, Any] = {
         "step": t.state.step,
         "samples_seen": t.state.samples_seen,
-        "loss": loss,  # with objective.mlm_weight: contrastive + lambda * mlm, both parts logged below
+        "loss": loss,  # the weighted total; with more than one term each part is logged below
         "lr": t.schedule.lr(t.state.step - 1),
         "epoch": t.stream.cursor.epoch,
     }
-    for key in ("contrastive_loss", "mlm_loss"):
-        if key in out:
-            record[key] = dist.all_reduce_mean(out[key]).item()
+    for key in sorted(k for k in out if k.endswith("_loss")):  # contrastive, distill, kl, mlm
+        record[key] = dist.all_reduce_mean(out[key]).item()
     rate = throughput.rate(t.state.samples_seen)
     record["sentences_per_s"] = rate
     record["sequences_per_s"] = rate * out["embeddings"].shape[0]
@@ -193,8 +214,14 @@ def train(t: Trainer) -> int:
     policy = CheckpointPolicy(c.every_steps, c.every_minutes, check_every=cfg.train.log_every)
     throughput.samples0 = t.state.samples_seen
     batches = iter(t.stream)
-    if t.state.step == 0 and cfg.train.eval_every:
-        evaluate(t)  # the untrained model's score: where the eval curve starts (not a best candidate)
+    scored = cfg.train.eval_every or cfg.train.final_model == "best"
+    if t.state.step == 0 and t.state.best_step is None and scored:
+        # The initial model's score starts the eval curve and is the first best candidate: from a strong
+        # init every later step may be worse, and then the initial weights are what gets exported.
+        t.state.best_metric, t.state.best_step = evaluate(t), 0
+        if t.checkpointer is not None:
+            save_checkpoint(t, is_best=True)
+            policy.saved()
     while t.state.step < t.total_steps:
         out = train_step(t, next(batches))
         bar.update(1)
@@ -224,12 +251,28 @@ def train(t: Trainer) -> int:
 def finish(t: Trainer) -> None:
     """The final model in RUN_DIR/model (rank 0), and the debug dump every rank writes if asked.
 
-    With ``train.final_model: best`` the model is the best checkpoint's (by STS-B valid); the last
-    step's weights stay in the newest checkpoint.
+    With ``train.final_model: best`` the model is the best checkpoint's (by STS-B valid, the initial
+    model's step-0 score included: if no step beat it, the initial weights); the last step's weights
+    stay in the newest checkpoint. An ``event: final_model`` record in metrics.jsonl says which.
     """
     if t.accelerator.is_main_process:
         target = t.cfg.run_dir / "model"
         best = t.checkpointer.best() if t.cfg.train.final_model == "best" and t.checkpointer else None
+        initial = best is not None and t.state.best_step == 0
+        if initial:
+            log.warning(
+                "no step beat the initial model (STS-B valid %.2f); exporting the initial weights",
+                t.state.best_metric,
+            )
+        t.metrics.log(
+            {
+                "event": "final_model",
+                "selected": "best" if best is not None else "last",
+                "step": t.state.best_step if best is not None else t.state.step,
+                "sts_b_valid_spearman": t.state.best_metric if best is not None else None,
+                "initial_weights": initial,  # no step beat the step-0 evaluation
+            }
+        )
         if best is not None:
             tmp = target.with_name(target.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,109 @@
+"""Distillation from a teacher encoder's cached embeddings (a 12-layer multilingual-e5-small teacher, a
+3-4-layer student).
+
+Two terms, added to an objective's contrastive loss by :class:`pipeline.losses.objective.Objective`:
+
+* **Embedding distillation** (Reimers and Gurevych 2020, "Making Monolingual Sentence Embeddings
+  Multilingual using Knowledge Distillation"): pull each student embedding s_b towards the teacher's
+  t_b, both L2-normalised (the student first mapped to the teacher's width by a learned linear
+  projection when the widths differ)::
+
+      cosine:  1 - cos(s_b, t_b)           mse:  ||s_b - t_b||^2 / D
+
+  averaged over the local sentences.
+
+* **In-batch similarity distillation** (the KL term of e.g. Hinton et al. 2015 applied to the
+  similarity distribution, as in "relational" distillation): for each local original b, the teacher
+  and the student each give a softmax over the *other* sentences c of the global batch (and the
+  queue, when there is one)::
+
+      p_t(c | b) = softmax_c(t_b . t_c / tau_t),   p_s(c | b) = softmax_c(s_b . s_c / tau_s)
+      kl(b) = sum_c p_t(c | b) (log p_t(c | b) - log p_s(c | b))
+
+  averaged over local anchors. The student learns *how* the teacher ranks the batch, not only which
+  one sentence is the positive. tau_t sets how peaked the target is (small: only the teacher's nearest
+  neighbours count; e5's cosines crowd into [0.7, 1], so a small tau_t is needed to spread them);
+  tau_s is the student's own temperature (equal to tau_t by default, so matching similarities
+  matches distributions). Self-similarities are removed from both distributions.
+
+Distributed: student candidates are gathered with gradient, teacher ones without (they are constants);
+each rank's value is the mean over its anchors, so the mean over ranks is the global-batch loss and
+DDP's averaged gradient is the single-process one (``tests/test_distributed_gloo.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.distributed import all_gather_no_grad, all_gather_with_grad, rank
+from pipeline.losses._precision import at_least_float32
+
+DISTILL_LOSSES = ("cosine", "mse")
+
+
+def embedding_loss(student: torch.Tensor, teacher: torch.Tensor, kind: str = "cosine") -> torch.Tensor:
+    """1 - cos (``cosine``) or the MSE of the normalised vectors (``mse``) of (B, D) student and teacher
+    embeddings of the same width; the mean over the B sentences."""
+    if student.shape != teacher.shape or student.dim() != 2:
+        raise ValueError(
+            f"student and teacher must both be (B, D); got {tuple(student.shape)}, {tuple(teacher.shape)} "
+            "(set objective.teacher_dim so that a projection is built)"
+        )
+    s = F.normalize(at_least_float32(student), dim=-1)  # (B, D)
+    t = F.normalize(teacher.to(s.dtype), dim=-1)  # (B, D)
+    if kind == "cosine":
+        return (1 - (s * t).sum(-1)).mean()
+    if kind == "mse":
+        return F.mse_loss(s, t)
+    raise ValueError(f"distill loss must be one of {DISTILL_LOSSES}, got {kind!r}")
+
+
+def _without_self(logits: torch.Tensor, offset: int) -> torch.Tensor:
+    """Drop column ``offset + i`` from row i of (B, N) logits: (B, N - 1)."""
+    b, n = logits.shape
+    keep = torch.ones(b, n, dtype=torch.bool, device=logits.device)  # (B, N)
+    keep[torch.arange(b, device=logits.device), offset + torch.arange(b, device=logits.device)] = False
+    return logits[keep].view(b, n - 1)
+
+
+def kl_loss(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    student_temperature: float = 0.05,
+    teacher_temperature: float = 0.05,
+    queue: torch.Tensor | None = None,
+    teacher_queue: torch.Tensor | None = None,
+    gather: bool = True,
+) -> torch.Tensor:
+    """KL(teacher softmax || student softmax) over the other sentences of the global batch (+ queue).
+
+    Args:
+        student: (B_local, H) L2-normalised student embeddings of the originals.
+        teacher: (B_local, D_t) teacher embeddings of the same sentences.
+        queue, teacher_queue: (Q, H) student keys and (Q, D_t) teacher embeddings of the same queued
+            sentences, row for row; both or neither. Never receive gradient.
+        gather: gather the candidates of all ranks (a collective).
+    """
+    if student.dim() != 2 or teacher.dim() != 2 or student.shape[0] != teacher.shape[0]:
+        raise ValueError(f"student (B, H) and teacher (B, D_t) expected, got {student.shape} {teacher.shape}")
+    if (queue is None) != (teacher_queue is None) or (queue is not None and len(queue) != len(teacher_queue)):
+        raise ValueError("queue and teacher_queue must be given together and hold the same rows")
+    if student_temperature <= 0 or teacher_temperature <= 0:
+        raise ValueError("temperatures must be > 0")
+    batch = student.shape[0]
+    s = at_least_float32(student)  # (B, H)
+    t = F.normalize(teacher.to(s.dtype), dim=-1)  # (B, D_t)
+    s_all = all_gather_with_grad(s) if gather else s  # (W * B, H)
+    t_all = all_gather_no_grad(t) if gather else t  # (W * B, D_t)
+    offset = rank() * batch if gather else 0
+    s_logits = _without_self(s @ s_all.T, offset) / student_temperature  # (B, W * B - 1)
+    t_logits = _without_self(t @ t_all.T, offset) / teacher_temperature  # (B, W * B - 1)
+    if queue is not None and queue.shape[0] > 0:
+        s_queue = s @ queue.detach().to(s.dtype).T / student_temperature  # (B, Q)
+        t_queue = t @ F.normalize(teacher_queue.detach().to(s.dtype), dim=-1).T / teacher_temperature
+        s_logits = torch.cat([s_logits, s_queue], dim=1)  # (B, W * B - 1 + Q)
+        t_logits = torch.cat([t_logits, t_queue], dim=1)  # (B, W * B - 1 + Q)
+    log_ps = F.log_softmax(s_logits, dim=1)  # (B, C)
+    log_pt = F.log_softmax(t_logits, dim=1)  # (B, C)
+    return (log_pt.exp() * (log_pt - log_ps)).sum(dim=1).mean()
