@@ -32,23 +32,19 @@ DRIVER = textwrap.dedent(
     """
     import os, sys
     from pathlib import Path
-    import pipeline.train.loop as loop
 
-    sys.path.insert(0, sys.argv[1])
+    sys.path.insert(0, sys.argv[1])  # launch/: the script, not the package (that is installed)
     import pretrain
 
     argv = sys.argv[2:]
     run_dir = Path(next(a.split("=", 1)[1] for a in argv if a.startswith("--run_dir=")))
-    real_step = loop.train_step
 
-    def recording_step(t, batch):
+    def record_ids(t, batch):  # the trainer's hook, called with each batch before its step
         rank = int(os.environ.get("RANK", "0"))
         with open(run_dir / f"ids-rank{rank}.txt", "a") as f:
             f.write(f"{t.state.step + 1} " + " ".join(str(i) for i in batch["ids"].tolist()) + "\\n")
-        return real_step(t, batch)
 
-    loop.train_step = recording_step  # train() looks the step up in the module at every call
-    sys.exit(pretrain.main(argv))
+    sys.exit(pretrain.main(argv, on_batch=record_ids))
     """
 )
 
@@ -73,6 +69,9 @@ def env() -> dict[str, str]:
     out = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "TOKENIZERS_PARALLELISM": "false"}
     out.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     return out
+
+
+BUCKETING = ["--data.length_bucketing=true", "--data.bucket_window=2"]  # 3 windows of 2 batches per epoch
 
 
 def train_args(setup, run_dir: Path, steps: int = STEPS) -> list[str]:
@@ -141,6 +140,13 @@ def uninterrupted(setup):
     return {"dir": run_dir, "losses": losses(run_dir), "dumps": dumps(run_dir, 2), "ids": consumed(run_dir)}
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_bucketed(setup):
+    run_dir = setup["root"] / "uninterrupted-bucketed"
+    run_to_end([*torchrun(setup, run_dir), *BUCKETING])
+    return {"dir": run_dir, "losses": losses(run_dir), "dumps": dumps(run_dir, 2), "ids": consumed(run_dir)}
+
+
 def assert_same_run(run_dir: Path, reference: dict) -> None:
     got = losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -186,12 +192,14 @@ def kill9_tree(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)
 
 
-def test_kill9_at_a_random_step_then_rerun_is_exact(setup, uninterrupted):
+@pytest.mark.parametrize("bucketing", [False, True], ids=["plain", "bucketed"])
+def test_kill9_at_a_random_step_then_rerun_is_exact(setup, request, bucketing):
+    reference = request.getfixturevalue("uninterrupted_bucketed" if bucketing else "uninterrupted")
     seed = int(os.environ.get("RESUME_TEST_SEED", time.time_ns() % 10_000))
     kill_at = random.Random(seed).randint(3, STEPS - 3)
     print(f"killing at step {kill_at} (RESUME_TEST_SEED={seed})")
-    run_dir = setup["root"] / f"killed-{seed}"
-    cmd = torchrun(setup, run_dir)
+    run_dir = setup["root"] / f"killed-{seed}-{'bucketed' if bucketing else 'plain'}"
+    cmd = [*torchrun(setup, run_dir), *(BUCKETING if bucketing else [])]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         reached = wait_for_step(run_dir, kill_at, proc)
@@ -204,14 +212,17 @@ def test_kill9_at_a_random_step_then_rerun_is_exact(setup, uninterrupted):
     assert any(f"step-{s:08d}" in resumed.stderr for s in (saved_before, saved_before + 2)), resumed.stderr[
         -3000:
     ]
-    assert_same_run(run_dir, uninterrupted)
+    assert_same_run(run_dir, reference)
 
 
-def test_resume_at_another_world_size_consumes_every_sample_once(setup, uninterrupted):
-    run_dir = setup["root"] / "two-then-one"
+@pytest.mark.parametrize("bucketing", [False, True], ids=["plain", "bucketed"])
+def test_resume_at_another_world_size_consumes_every_sample_once(setup, request, bucketing):
+    uninterrupted = request.getfixturevalue("uninterrupted_bucketed" if bucketing else "uninterrupted")
+    extra = BUCKETING if bucketing else []
+    run_dir = setup["root"] / f"two-then-one-{'bucketed' if bucketing else 'plain'}"
     first = 4  # two processes for 4 steps (a checkpoint at the end) ...
-    run_to_end(torchrun(setup, run_dir, nproc=2, steps=first))
-    resumed = run_to_end(torchrun(setup, run_dir, nproc=1, steps=STEPS))  # ... then one process
+    run_to_end([*torchrun(setup, run_dir, nproc=2, steps=first), *extra])
+    resumed = run_to_end([*torchrun(setup, run_dir, nproc=1, steps=STEPS), *extra])  # ... then one process
     assert "is resumed by 1" in resumed.stderr  # the warning that RNG streams start afresh
     got = consumed(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -224,6 +235,7 @@ def test_resume_at_another_world_size_consumes_every_sample_once(setup, uninterr
         assert sorted(seen) == sorted(i if i < 2**63 else i - 2**64 for i in setup["ids"])
     dump = dumps(run_dir, 1)[0]
     assert dump["world_size"] == 1 and dump["step"] == STEPS
+    assert dump["cursor"]["bucket_window"] == (2 if bucketing else 0)
     assert dump["samples_seen"] == uninterrupted["dumps"][0]["samples_seen"]
 
 

@@ -20,18 +20,28 @@ def shards(tmp_path_factory):
     return d, ids
 
 
-def streams(d, world, workers, G=12, seed=3):
+def streams(d, world, workers, G=12, seed=3, window=0):
     blocks = index_shards(d)
     return [
-        BatchStream(ShardSource(blocks, ["id"]), ids_only, G, r, world, seed, num_workers=workers)
+        BatchStream(
+            ShardSource(blocks, ["id"]),
+            ids_only,
+            G,
+            r,
+            world,
+            seed,
+            num_workers=workers,
+            bucket_window=window,
+        )
         for r in range(world)
     ]
 
 
+@pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("world, workers", [(1, 0), (2, 2), (3, 1), (4, 2)])
-def test_every_sample_once_per_epoch(shards, world, workers):
+def test_every_sample_once_per_epoch(shards, world, workers, window):
     d, ids = shards
-    per_rank = [[b["ids"] for b in s.epoch_batches()] for s in streams(d, world, workers)]
+    per_rank = [[b["ids"] for b in s.epoch_batches()] for s in streams(d, world, workers, window=window)]
     counts = {len(batches) for batches in per_rank}
     assert counts == {100 // 12}  # every rank takes the same number of steps
     seen = Counter(i for batches in per_rank for b in batches for i in b)
@@ -42,21 +52,25 @@ def test_every_sample_once_per_epoch(shards, world, workers):
     assert s.dropped_per_epoch == 4 and s.cursor.epoch == 0
 
 
-def test_order_is_world_size_free_and_seeded(shards):
+@pytest.mark.parametrize("window", [0, 3])
+def test_order_is_world_size_free_and_seeded(shards, window):
     d, _ = shards
-    one = [b["ids"] for b in streams(d, 1, 0)[0].epoch_batches()]
-    two = list(zip(*[[b["ids"] for b in s.epoch_batches()] for s in streams(d, 2, 2)]))
+    one = [b["ids"] for b in streams(d, 1, 0, window=window)[0].epoch_batches()]
+    two = list(zip(*[[b["ids"] for b in s.epoch_batches()] for s in streams(d, 2, 2, window=window)]))
     assert [a + b for a, b in two] == one  # rank slices of the same global batches
-    other_epoch = streams(d, 1, 0)[0]
+    other_epoch = streams(d, 1, 0, window=window)[0]
     other_epoch.cursor.epoch = 1
     assert [b["ids"] for b in other_epoch.epoch_batches()] != one
-    assert [b["ids"] for b in streams(d, 1, 0, seed=4)[0].epoch_batches()] != one
+    assert [b["ids"] for b in streams(d, 1, 0, seed=4, window=window)[0].epoch_batches()] != one
+    again = [b["ids"] for b in streams(d, 3, 1, window=window)[0].epoch_batches()]
+    assert again == [b[:4] for b in one]  # a pure function of (seed, epoch, data): rank 0 of 3
 
 
-def test_resume_at_other_world_size_gives_the_rest(shards):
+@pytest.mark.parametrize("window", [0, 3])
+def test_resume_at_other_world_size_gives_the_rest(shards, window):
     d, ids = shards
-    full = [b["ids"] for b in streams(d, 1, 0)[0].epoch_batches()]
-    two = streams(d, 2, 1)
+    full = [b["ids"] for b in streams(d, 1, 0, window=window)[0].epoch_batches()]
+    two = streams(d, 2, 1, window=window)
     consumed = []
     iters = [iter(s) for s in two]
     for _ in range(3):
@@ -65,7 +79,7 @@ def test_resume_at_other_world_size_gives_the_rest(shards):
     assert two[0].state_dict() == two[1].state_dict()
     state = two[0].state_dict()
     assert state["batches"] == 3 and state["epoch"] == 0
-    one = streams(d, 1, 2)[0]
+    one = streams(d, 1, 2, window=window)[0]
     one.load_state_dict(state)
     rest = [i for b in one.epoch_batches() for i in b["ids"]]
     assert sorted(consumed + rest) == sorted(i for b in full for i in b)
@@ -78,6 +92,51 @@ def test_cursor_from_other_batch_size_is_refused(shards):
     state = streams(d, 1, 0, G=12)[0].state_dict()
     with pytest.raises(ConfigError, match="global_batch_size=12"):
         streams(d, 1, 0, G=10)[0].load_state_dict(state)
+
+
+def test_bucketing_groups_similar_lengths_and_only_moves_samples_within_a_window(shards):
+    d, _ = shards
+    blocks = index_shards(d)
+    length = {}
+    for b in blocks:
+        for i, n in zip(ShardSource([b], ["id"]).rows([(0, np.arange(b.rows))])["id"], b.lengths):
+            length[i] = int(n)
+    # the proxy: the most characters of the text or of any variant
+    first = ShardSource(blocks[:1], ["id", "text", "variants"]).rows([(0, np.arange(blocks[0].rows))])
+    assert list(blocks[0].lengths) == [
+        max(len(t), *map(len, v)) for t, v in zip(first["text"], first["variants"])
+    ]
+
+    def spread(batches):  # mean over batches of (longest - shortest)
+        return np.mean([max(length[i] for i in b) - min(length[i] for i in b) for b in batches])
+
+    plain = [b["ids"] for b in streams(d, 1, 0)[0].epoch_batches()]
+    bucketed = [b["ids"] for b in streams(d, 1, 0, window=4)[0].epoch_batches()]
+    assert spread(bucketed) < 0.5 * spread(plain)
+    for w in range(0, len(plain), 4):  # a window holds the same samples, regrouped
+        assert sorted(i for b in bucketed[w : w + 4] for i in b) == sorted(
+            i for b in plain[w : w + 4] for i in b
+        )
+    assert bucketed != plain
+
+
+def test_cursor_from_other_bucketing_is_refused(shards):
+    d, _ = shards
+    state = streams(d, 1, 0, window=0)[0].state_dict()
+    with pytest.raises(ConfigError, match="bucket_window=0"):
+        streams(d, 1, 0, window=5)[0].load_state_dict(state)
+
+
+def test_memory_source_buckets_by_its_text_columns():
+    records = {"index": list(range(48)), "text0": ["字" * (i % 13 + 1) for i in range(48)]}
+    records["text1"] = records["text0"][::-1]
+    source = MemorySource(records, ["text0", "text1"])
+    assert list(source.lengths[0]) == [
+        max(len(a), len(b)) for a, b in zip(records["text0"], records["text1"])
+    ]
+    ss = [BatchStream(source, lambda r: {"ids": r["index"]}, 8, r, 2, 0, bucket_window=6) for r in range(2)]
+    got = [b["ids"] for s in ss for b in s.epoch_batches()]
+    assert sorted(i for b in got for i in b) == list(range(48))
 
 
 def test_memory_source_same_semantics():

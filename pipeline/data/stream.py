@@ -6,6 +6,13 @@ stream is cut into global batches of G samples; rank r of W takes rows ``[r*G/W,
 The last partial global batch is dropped (and counted) so every rank takes the same number of steps:
 an uneven split would leave one rank waiting in a collective for ever.
 
+With length bucketing (``bucket_window`` W > 0) the stream is cut into windows of W global batches;
+each window's samples are sorted by length (longest first, ties in stream order), cut into W global
+batches, and those batches are permuted by a seeded draw. Every rank of a global batch then gets
+rows of similar length, so padding to the batch's longest row wastes little. The order stays a pure
+function of (seed, epoch, manifest, G, W) and a global batch still holds the same samples at any
+world size; only the samples within a window change batches.
+
 The cursor is ``(epoch, batches consumed)``: it names a position in the global stream, so it means
 the same thing at any world size or number of loader workers. Resuming seeks straight to the block
 that holds the next batch (block offsets are in the index built at start), tokenising nothing that
@@ -20,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +46,30 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------------------------- index
 @dataclass(frozen=True)
 class BlockRef:
-    """Where one block lives: a byte range inside a shard tar (a tar member's data)."""
+    """Where one block lives: a byte range inside a shard tar (a tar member's data).
+
+    ``lengths`` is each row's length proxy for bucketing: the most characters of its text or any of
+    its variants (uint16, saturating), 2 bytes a row in the broadcast index.
+    """
 
     path: str
     offset: int
     size: int
     rows: int
+    lengths: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+
+def row_lengths(table: pa.Table) -> np.ndarray:
+    """Per row: the most characters of its ``text`` or any of its ``variants`` (uint16, saturating)."""
+    import pyarrow.compute as pc
+
+    lengths = pc.utf8_length(table.column("text")).to_numpy(zero_copy_only=False).astype(np.int64)
+    if "variants" in table.column_names:
+        variants = table.column("variants").combine_chunks()
+        flat = pc.utf8_length(pc.list_flatten(variants)).to_numpy(zero_copy_only=False).astype(np.int64)
+        parents = pc.list_parent_indices(variants).to_numpy(zero_copy_only=False)
+        np.maximum.at(lengths, parents, flat)
+    return np.minimum(lengths, np.iinfo(np.uint16).max).astype(np.uint16)
 
 
 def index_shards(directory: str | Path, verify: bool = True) -> list[BlockRef]:
@@ -60,7 +85,9 @@ def index_shards(directory: str | Path, verify: bool = True) -> list[BlockRef]:
     for entry in manifest["shards"]:
         path = verify_shard(directory, entry) if verify else directory / entry["name"]
         for member, table in iter_blocks(path):
-            blocks.append(BlockRef(str(path), member.offset_data, member.size, table.num_rows))
+            blocks.append(
+                BlockRef(str(path), member.offset_data, member.size, table.num_rows, row_lengths(table))
+            )
     if not blocks:
         raise InputError(f"{directory} holds no blocks; check the stage that wrote it")
     return blocks
@@ -128,6 +155,53 @@ class EpochOrder:
         return out
 
 
+BUCKET_STREAM = 0x6275636B  # keeps the window permutations' seeds apart from the row permutations'
+
+
+class BucketedOrder:
+    """Global batches of one epoch, length-bucketed in windows of ``window`` batches (module docstring).
+
+    ``lengths[block]`` is the length proxy of each row of that block. The last window of an epoch may
+    hold fewer than ``window`` batches; the dropped tail stays the stream's last samples, as without
+    bucketing. Each worker computes a window once (a sort of window * G lengths) and keeps it.
+    """
+
+    def __init__(
+        self, order: EpochOrder, lengths: Sequence[np.ndarray], global_batch: int, window: int, batches: int
+    ):
+        self.order, self.lengths = order, lengths
+        self.global_batch, self.window, self.batches = global_batch, window, batches
+        self._cached: tuple[int, np.ndarray, np.ndarray] | None = None  # (window, blocks, rows) sorted
+
+    @property
+    def epoch(self) -> int:
+        return self.order.epoch
+
+    def _window(self, w: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._cached is None or self._cached[0] != w:
+            G = self.global_batch
+            first = w * self.window
+            count = min(self.window, self.batches - first)
+            runs = self.order.locate(first * G, (first + count) * G)
+            blocks = np.concatenate([np.full(len(rows), block, dtype=np.int64) for block, rows in runs])
+            rows = np.concatenate([np.asarray(rows, dtype=np.int64) for _, rows in runs])
+            lengths = np.concatenate([self.lengths[block][rows] for block, rows in runs]).astype(np.int64)
+            by_length = np.argsort(-lengths, kind="stable")  # longest first; ties keep stream order
+            seed = np.random.default_rng([self.order.seed, self.order.epoch, BUCKET_STREAM, w])
+            batch_order = seed.permutation(count)
+            take = (batch_order[:, None] * G + np.arange(G)[None, :]).reshape(-1)
+            self._cached = (w, blocks[by_length][take], rows[by_length][take])
+        return self._cached[1], self._cached[2]
+
+    def batch_runs(self, batch: int, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
+        """Rows ``[lo, hi)`` of global batch ``batch`` as (block, row indices) runs, in batch order."""
+        blocks, rows = self._window(batch // self.window)
+        at = (batch % self.window) * self.global_batch
+        blocks, rows = blocks[at + lo : at + hi], rows[at + lo : at + hi]
+        cuts = np.flatnonzero(np.diff(blocks)) + 1
+        return [(int(b[0]), r) for b, r in zip(np.split(blocks, cuts), np.split(rows, cuts)) if len(b)]
+
+
 @dataclass
 class Cursor:
     """Position in the training data: epoch and global batches consumed in it. Stateful."""
@@ -174,6 +248,12 @@ class ShardSource:
             self._cache.popitem(last=False)
         return cols
 
+    @property
+    def lengths(self) -> list[np.ndarray] | None:
+        if any(b.lengths is None for b in self.blocks):
+            return None
+        return [b.lengths for b in self.blocks]
+
     def rows(self, runs: list[tuple[int, np.ndarray]]) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {name: [] for name in self.columns}
         for block, rows in runs:
@@ -187,9 +267,18 @@ class ShardSource:
 class MemorySource:
     """Records held in memory (supervised pair/triple files): one block, the same cursor semantics."""
 
-    def __init__(self, records: dict[str, list[Any]]):
+    def __init__(self, records: dict[str, list[Any]], text_columns: Sequence[str] = ()):
         self.records = records
         self.n = len(next(iter(records.values())))
+        self.text_columns = list(text_columns)
+
+    @property
+    def lengths(self) -> list[np.ndarray] | None:
+        """Per record: the most characters of its text columns (None without text columns)."""
+        if not self.text_columns:
+            return None
+        chars = [[len(t) for t in self.records[name]] for name in self.text_columns]
+        return [np.max(np.asarray(chars, dtype=np.int64), axis=0)]
 
     @property
     def block_rows(self) -> list[int]:
@@ -211,7 +300,7 @@ class _RankBatches(IterableDataset):
         self,
         source: Any,
         collate: Callable[[dict[str, list[Any]]], Any],
-        order: EpochOrder,
+        order: EpochOrder | BucketedOrder,
         global_batch: int,
         rank: int,
         world: int,
@@ -228,8 +317,12 @@ class _RankBatches(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         local = self.global_batch // self.world
         for b in range(self.start + worker, self.stop, workers):
-            first = b * self.global_batch + self.rank * local
-            rows = self.source.rows(self.order.locate(first, first + local))
+            lo = self.rank * local
+            if isinstance(self.order, BucketedOrder):
+                runs = self.order.batch_runs(b, lo, lo + local)
+            else:
+                runs = self.order.locate(b * self.global_batch + lo, b * self.global_batch + lo + local)
+            rows = self.source.rows(runs)
             yield {"epoch": self.order.epoch, "batch": b, **self.collate(rows)}
 
 
@@ -239,6 +332,7 @@ class BatchStream:
     ``collate(rows) -> dict`` turns the rows of one rank-slice (a mapping column -> list) into tensors;
     it runs in the loader workers, so it must be picklable. The cursor advances when the consumer
     takes a batch, so a checkpoint taken between steps records exactly what was used.
+    ``bucket_window`` > 0 turns on length bucketing over windows of that many global batches.
     """
 
     def __init__(
@@ -251,6 +345,7 @@ class BatchStream:
         seed: int,
         num_workers: int = 0,
         prefetch_factor: int = 4,
+        bucket_window: int = 0,
     ):
         if global_batch_size % world_size:
             raise ConfigError(f"global batch {global_batch_size} is not divisible by world size {world_size}")
@@ -266,6 +361,15 @@ class BatchStream:
                 f"the data has {self.num_items} samples, fewer than one global batch "
                 f"({global_batch_size}); lower train.global_batch_size"
             )
+        self.bucket_window = bucket_window
+        self.lengths = source.lengths if bucket_window else None
+        if bucket_window and self.lengths is None:
+            raise ConfigError("data.length_bucketing needs row lengths, which this data source lacks")
+        if bucket_window and hasattr(source, "cache_blocks"):
+            # a window's batches draw rows from every block the window spans: keep them all decoded
+            smallest = max(1, min(self.block_rows))
+            spanned = -(-bucket_window * global_batch_size // smallest) + 2
+            source.cache_blocks = max(source.cache_blocks, min(spanned, len(self.block_rows)))
         self.cursor = Cursor()
 
     def state_dict(self) -> dict[str, int]:
@@ -275,14 +379,22 @@ class BatchStream:
             "global_batch_size": self.global_batch,
             "num_items": self.num_items,
             "seed": self.seed,
+            "bucket_window": self.bucket_window,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        for key, mine in (("global_batch_size", self.global_batch), ("num_items", self.num_items)):
-            if key in state and int(state[key]) != mine:
+        # bucket_window changes which samples a batch holds: a cursor means nothing across it
+        mine = (
+            ("global_batch_size", self.global_batch),
+            ("num_items", self.num_items),
+            ("bucket_window", self.bucket_window),
+        )
+        for key, mine_value in mine:
+            if key in state and int(state[key]) != mine_value:
                 raise ConfigError(
-                    f"the saved data cursor was made with {key}={state[key]}, this run has {mine}: "
-                    "resume with the same data and train.global_batch_size, or start a new run_dir"
+                    f"the saved data cursor was made with {key}={state[key]}, this run has {mine_value}: "
+                    "resume with the same data, train.global_batch_size and data.length_bucketing/"
+                    "bucket_window, or start a new run_dir"
                 )
         self.cursor.load_state_dict(state)
 
@@ -290,10 +402,15 @@ class BatchStream:
         """The rest of the current epoch from the cursor; moves the cursor to the next epoch at the end."""
         epoch, start = self.cursor.epoch, self.cursor.batches
         if start < self.batches_per_epoch:
+            order: EpochOrder | BucketedOrder = EpochOrder(self.block_rows, self.seed, epoch)
+            if self.bucket_window:
+                order = BucketedOrder(
+                    order, self.lengths, self.global_batch, self.bucket_window, self.batches_per_epoch
+                )
             dataset = _RankBatches(
                 self.source,
                 self.collate,
-                EpochOrder(self.block_rows, self.seed, epoch),
+                order,
                 self.global_batch,
                 self.rank,
                 self.world,

@@ -298,9 +298,10 @@ def build_stream(cfg: Config, tokenizer: Any, rank: int, world: int, prefix: str
             columns["label"] = [r[-1] for r in records]
         text_columns = [f"text{i}" for i in range(n_text)]
         collate = PairCollator(tokenizer, d.max_length, text_columns, label_dtype, prefix)
-        source = MemorySource(columns)
+        source = MemorySource(columns, text_columns)
+    window = d.bucket_window if d.length_bucketing else 0
     return BatchStream(
-        source, collate, t.global_batch_size, rank, world, t.seed, d.num_workers, d.prefetch_factor
+        source, collate, t.global_batch_size, rank, world, t.seed, d.num_workers, d.prefetch_factor, window
     )
 
 

@@ -49,6 +49,12 @@ class DataConfig:
         None, "TSV/JSONL pair or triple file for sup_simcse, cosent and sbert (e.g. STS-B.train.tsv)."
     )
     verify_shards: bool = option(True, "Check every shard's size and sha256 against the manifest at start.")
+    length_bucketing: bool = option(
+        False,
+        "Sort each window of data.bucket_window global batches by sentence length and permute those "
+        "batches, so a batch pads little; resume stays exact (docs/DESIGN.md, 'Training data order').",
+    )
+    bucket_window: int = option(50, "Global batches per length-bucketing window (more = less padding).")
 
     def __post_init__(self) -> None:
         if self.num_variants < 0:
@@ -63,6 +69,8 @@ class DataConfig:
             raise ConfigError("data.num_workers must be >= 0; set --data.num_workers=0 to load in-process")
         if self.prefetch_factor < 1:
             raise ConfigError("data.prefetch_factor must be >= 1")
+        if self.bucket_window < 1:
+            raise ConfigError("data.bucket_window must be >= 1 global batches; raise --data.bucket_window")
 
 
 @dataclass
