@@ -230,3 +230,25 @@ def test_cli_prints_a_summary(wordpiece_model: Path, tmp_path: Path, capsys) -> 
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "layers kept       [0, 2] of 4" in out and "pieces kept" in out and "same pieces" in out
+
+
+def test_model_layers_cut_at_build_time(wordpiece_model: Path, tmp_path: Path) -> None:
+    from transformers import BertModel
+
+    from pipeline.train.build import build_encoder
+    from _train_data import debug_config
+
+    cfg = debug_config(
+        tmp_path,
+        tmp_path / "no-shards",
+        **{"model.name_or_path": str(wordpiece_model), "model.layers": [0, 2]},
+    )
+    encoder = build_encoder(cfg)
+    source = BertModel.from_pretrained(wordpiece_model, add_pooling_layer=False)
+    assert encoder.backbone.config.num_hidden_layers == 2
+    got, want = _layer_weights(encoder.backbone, 1), _layer_weights(source, 2)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.raises(ConfigError, match="model.layers"):
+        debug_config(
+            tmp_path, tmp_path, **{"model.name_or_path": str(wordpiece_model), "model.layers": [2, 0]}
+        )

@@ -223,9 +223,14 @@ def build_encoder(cfg: Config) -> SentenceEncoder:
         else {"hidden_dropout_prob": m.dropout, "attention_probs_dropout_prob": m.dropout}
     )
     if m.name_or_path:
-        return SentenceEncoder.from_pretrained(
+        encoder = SentenceEncoder.from_pretrained(
             m.name_or_path, pooling=m.pooling, max_length=cfg.data.max_length, prefix=m.prefix, **dropout
         )
+        if m.layers is not None:
+            from pipeline.model.surgery import keep_layers
+
+            keep_layers(encoder.backbone, m.layers)
+        return encoder
     path = resolve_path(m.scratch_config)
     if not path.is_file():
         raise ConfigError(f"model.scratch_config: {path} does not exist; point it to a BertConfig JSON")

@@ -102,10 +102,17 @@ class ModelConfig:
     dropout: float | None = option(
         None, "Hidden and attention dropout; empty keeps the model's own (dropout makes the views differ)."
     )
+    layers: list[int] | None = option(
+        None,
+        "Keep only these transformer layers of the model (e.g. [0, 4, 8, 11]); empty keeps all. "
+        "`python -m pipeline student` does the same offline and can also trim the vocabulary.",
+    )
 
     def __post_init__(self) -> None:
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.layers is not None and (not self.layers or sorted(set(self.layers)) != self.layers):
+            raise ConfigError(f"model.layers must be increasing indices without repeats, got {self.layers}")
         if self.vocab_max_size < 100:
             raise ConfigError("model.vocab_max_size must be >= 100")
         if not self.name_or_path and self.pooling is None:
