@@ -233,10 +233,10 @@ def test_cli_prints_a_summary(wordpiece_model: Path, tmp_path: Path, capsys) -> 
 
 
 def test_model_layers_cut_at_build_time(wordpiece_model: Path, tmp_path: Path) -> None:
+    from _train_data import debug_config
     from transformers import BertModel
 
     from pipeline.train.build import build_encoder
-    from _train_data import debug_config
 
     cfg = debug_config(
         tmp_path,
