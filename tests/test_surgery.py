@@ -252,3 +252,20 @@ def test_model_layers_cut_at_build_time(wordpiece_model: Path, tmp_path: Path) -
         debug_config(
             tmp_path, tmp_path, **{"model.name_or_path": str(wordpiece_model), "model.layers": [2, 0]}
         )
+
+
+def test_corpus_reads_text_and_variants_of_shards(tiny_shards, tmp_path: Path) -> None:
+    from pipeline.model.surgery import corpus_texts
+    from pipeline.shards import read_shard, shard_paths
+
+    directory = tiny_shards([[6, 4], [5]], num_variants=2)
+    want = []
+    for path in shard_paths(directory):
+        for table in read_shard(path):
+            for text, variants in zip(table.column("text").to_pylist(), table.column("variants").to_pylist()):
+                want += [text, *variants]
+    texts = corpus_texts([directory], [_corpus(tmp_path)])
+    assert sorted(texts) == sorted(want + CORPUS) and len(want) > 15
+    assert len(corpus_texts([directory], [], max_sentences=7)) == 7
+    with pytest.raises(InputError, match="not a directory"):
+        corpus_texts([tmp_path / "nope"], [])

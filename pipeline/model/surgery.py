@@ -505,6 +505,8 @@ def make_student(cfg: Config) -> dict[str, Any]:
             json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
         )
         _copy_module_files(source, partial)
+        for weights in partial.glob("*.safetensors"):
+            weights.chmod(0o644)  # safetensors creates it owner-only; model folders are shared
         if cfg.trim_vocab:  # reload what was written, as every user of the folder will
             student = SentenceEncoder.from_pretrained(partial)
             _check_same_pieces(reference.tokenizer, student.tokenizer, [prefix + t for t in sample])
