@@ -31,6 +31,9 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "preprocess": Command("pipeline.preprocess.run", "raw corpus -> deduplicated, shuffled shards", "inputs"),
     "augment": Command("pipeline.augment.run", "shards -> shards with cached EDA variants"),
+    "teacher": Command(
+        "pipeline.teacher.run", "shards -> shards with teacher embeddings (+ mined hard negatives)"
+    ),
     "synonyms": Command("pipeline.augment.vector_synonyms", "word vectors -> faiss synonym cache (Parquet)"),
     "train": Command("pipeline.train.run", "contrastive pretraining (same as launch/pretrain.py)"),
     "eval": Command("pipeline.evaluate.run", "evaluate a model or checkpoint on the STS suite", "model"),

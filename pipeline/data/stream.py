@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.errors import ConfigError, InputError
 from pipeline.shards import ipc_to_table, iter_blocks, read_manifest, verify_shard
+from pipeline.teacher.vectors import teacher_matrix
 from pipeline.train.signals import ignore_preemption_signals
 
 log = logging.getLogger(__name__)
@@ -237,7 +238,9 @@ class ShardSource:
         table = read_block(self.blocks[index])
         cols = {}
         for name in self.columns:
-            if name in table.column_names:
+            if name == "teacher" and name in table.column_names:  # (rows, D) float32, no Python floats
+                cols[name] = teacher_matrix(table.column(name))
+            elif name in table.column_names:
                 cols[name] = table.column(name).to_pylist()
             elif name in ("variants", "variant_ops"):
                 cols[name] = [[] for _ in range(table.num_rows)]  # preprocess-only shards: no variants
@@ -477,32 +480,54 @@ class ViewCollator:
     variants repeats its original in the missing slots, which then acts as one more dropout view),
     views k+1..k+d repeat the original for dropout. All n*B texts share one padding length so the
     model encodes them in one forward. Rows are ordered view-major: row v*B + i is view v of sentence i.
+
+    With ``num_hard_negatives`` m the m mined negatives follow the views: row n*B + j*B + i is negative
+    j of sentence i (a sentence with fewer than m cached takes the next sentence's original in the
+    missing slots: an in-batch negative anyway), and ``batch["num_hard_negatives"] = m``. With
+    ``teacher`` the batch carries ``batch["teacher"]``, the cached teacher vectors (B, D) float32.
     """
 
-    columns = ("id", "text", "variants")
-
     def __init__(
-        self, tokenizer: Any, max_length: int, num_variants: int, num_dropout_views: int, prefix: str = ""
+        self,
+        tokenizer: Any,
+        max_length: int,
+        num_variants: int,
+        num_dropout_views: int,
+        prefix: str = "",
+        teacher: bool = False,
+        num_hard_negatives: int = 0,
     ):
         self.encode = FastEncoder(tokenizer, max_length, prefix)
         self.k, self.d = num_variants, num_dropout_views
+        self.teacher, self.m = teacher, num_hard_negatives
+        extra = ("teacher",) * teacher + ("hard_negatives",) * (num_hard_negatives > 0)
+        self.columns = ("id", "text", "variants") + extra
 
     def __call__(self, rows: dict[str, list[Any]]) -> dict[str, Any]:
         texts = rows["text"]
+        b = len(texts)
         views = [texts]
         for j in range(self.k):
             views.append([v[j] if j < len(v) else t for t, v in zip(texts, rows["variants"])])
-        ids, mask = self.encode([t for view in views for t in view])  # (1 + k) * B rows
-        b = len(texts)
+        for j in range(self.m):  # after the views in the one tokenisation: a common padding length
+            negatives = rows["hard_negatives"]
+            views.append([h[j] if j < len(h) else texts[(i + 1) % b] for i, h in enumerate(negatives)])
+        ids, mask = self.encode([t for view in views for t in view])  # (1 + k + m) * B rows
         if self.d:  # dropout views: the original's tokens again; dropout makes them differ
-            ids = torch.cat([ids, ids[:b].repeat(self.d, 1)])
-            mask = torch.cat([mask, mask[:b].repeat(self.d, 1)])
-        return {
+            cut = (1 + self.k) * b
+            ids = torch.cat([ids[:cut], ids[:b].repeat(self.d, 1), ids[cut:]])
+            mask = torch.cat([mask[:cut], mask[:b].repeat(self.d, 1), mask[cut:]])
+        out = {
             "ids": torch.tensor(np.asarray(rows["id"], dtype=np.uint64).view(np.int64)),
-            "input_ids": ids,  # (n * B, L)
-            "attention_mask": mask,  # (n * B, L)
+            "input_ids": ids,  # ((n + m) * B, L)
+            "attention_mask": mask,  # ((n + m) * B, L)
             "num_views": 1 + self.k + self.d,
         }
+        if self.m:
+            out["num_hard_negatives"] = self.m
+        if self.teacher:
+            out["teacher"] = torch.from_numpy(np.stack(rows["teacher"]))  # (B, D) float32
+        return out
 
 
 class PairCollator:

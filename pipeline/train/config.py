@@ -55,6 +55,14 @@ class DataConfig:
         "batches, so a batch pads little; resume stays exact (docs/DESIGN.md, 'Training data order').",
     )
     bucket_window: int = option(50, "Global batches per length-bucketing window (more = less padding).")
+    teacher: str | None = option(
+        None,
+        "Teacher the shards were encoded with by `python -m pipeline teacher` (its --model name, folder "
+        "name or hash); set: batches carry batch['teacher'] (B, D) and the shards' manifest must match.",
+    )
+    num_hard_negatives: int = option(
+        0, "m: mined hard negatives per sentence appended after the views (at most what the shards cache)."
+    )
 
     def __post_init__(self) -> None:
         if self.num_variants < 0:
@@ -71,6 +79,8 @@ class DataConfig:
             raise ConfigError("data.prefetch_factor must be >= 1")
         if self.bucket_window < 1:
             raise ConfigError("data.bucket_window must be >= 1 global batches; raise --data.bucket_window")
+        if self.num_hard_negatives < 0:
+            raise ConfigError("data.num_hard_negatives must be >= 0 (0 = none)")
 
 
 @dataclass
@@ -311,6 +321,13 @@ class Config:
                 "luse needs at least one positive: set data.num_variants or num_dropout_views >= 1 "
                 "(or objective.contrastive_weight 0 for distillation alone, or objective.teacher_positive)"
             )
+        if (self.data.teacher is not None or self.data.num_hard_negatives) and name not in UNSUPERVISED:
+            raise ConfigError(
+                f"data.teacher/num_hard_negatives come from the shards; objective {name} reads a pair file: "
+                "unset them or train luse/simcse"
+            )
+        if self.data.num_hard_negatives and not get_objective(name).uses_hard_negatives:
+            raise ConfigError(f"objective {name} takes no hard negatives; set data.num_hard_negatives to 0")
         if self.objective.mlm_weight and name not in UNSUPERVISED:
             raise ConfigError(
                 f"objective.mlm_weight applies to luse and simcse only, not {name}; set it to 0"
@@ -326,6 +343,12 @@ class Config:
         """Views per sentence n: LUSE 1 + k + d, SimCSE 2, the supervised ones their columns."""
         d = self.data
         return get_objective(self.objective.name).num_views(d.num_variants, d.num_dropout_views)
+
+
+def needs_teacher(cfg: Config) -> bool:
+    """Does the objective read ``batch["teacher"]``? (Extend here when a new term reads it.)"""
+    o = cfg.objective
+    return o.distill_weight > 0 or o.kl_weight > 0 or o.teacher_positive
 
 
 def check_against_environment(cfg: Config, world_size: int, cached_variants: int | None) -> None:

@@ -1,0 +1,433 @@
+"""``python -m pipeline teacher --shards IN --out OUT --model TEACHER``: cache teacher embeddings.
+
+Reads augmented shards and writes shards of the same names, rows and blocks with a ``teacher`` column
+(``fixed_size_list<float16, D>``, L2-normalised; ``shards/README.md``), optionally ``teacher_variants``
+(``--variants``) and ``hard_negatives``/``hard_negative_ids`` (``--hard_negatives K``, mined over the
+whole shard set: :mod:`pipeline.teacher.negatives`). Work is split like ``augment``: units are shards,
+local workers (``--workers``) and SLURM array tasks (``--task-index/--num-tasks``: task t takes the
+shards i with ``i % num_tasks == t``), a finished shard is skipped on a rerun. A shard's embeddings are
+a function of its own rows (sorted by length within the shard, batched), so the output does not depend
+on the number of workers, tasks or restarts. With hard negatives the encoded shards wait in the work
+directory; whichever task finishes encoding last mines the negatives and writes the final shards,
+then ``manifest.json`` (or ``--finalize-only`` does).
+
+Refreshing the negatives during a long run: rerun this stage on the same input with ``--model`` set to
+the latest checkpoint's ``model/`` folder (any checkpoint or run directory also resolves) and a new
+``--out``; point ``data.shards`` and ``data.teacher`` of the next epoch's run at it (docs/teacher.md).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import multiprocessing as mp
+import os
+import queue
+import re
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.config import option, to_dict
+from pipeline.errors import ConfigError, InputError
+from pipeline.io import atomic_write_json, sha256_file
+from pipeline.shards import MANIFEST, new_manifest, read_manifest, read_shard, verify_shard, write_shard
+from pipeline.teacher.identity import model_hash
+from pipeline.teacher.vectors import vector_column
+
+log = logging.getLogger(__name__)
+
+WORK_DIR = ".teacher-work"  # completion records (and, with hard negatives, the encoded shards)
+ENCODED = "encoded"  # WORK_DIR/encoded/: shards with the teacher column, before mining
+STORED_DTYPE = "float16"
+# How to run, not what to compute: left out of the manifest so outputs compare equal.
+EXECUTION_FIELDS = ("out", "workers", "task_index", "num_tasks", "finalize_only", "progress", "device")
+Precision = Literal["fp32", "fp16", "bf16"]
+
+
+@dataclass
+class Config:
+    shards: Path | None = option(None, "Input directory written by `augment` (or `preprocess`).")
+    out: Path | None = option(None, "Output directory for the shards with teacher embeddings.")
+    model: str | None = option(
+        None, "Teacher: a model folder (models/e5-small), checkpoint, run directory or Hub id."
+    )
+    batch_size: int = option(128, "Sentences per forward pass (sorted by length within a shard).")
+    max_length: int | None = option(None, "Token limit per sentence (empty = the model's encoder.json).")
+    device: str = option("auto", "Torch device: auto (cuda if available), cpu, cuda, cuda:1, ...")
+    bf16: bool = option(False, "CPU only: run the teacher under bfloat16 autocast (GPU always uses fp16).")
+    variants: bool = option(False, "Also encode every cached variant (a teacher_variants column).")
+    hard_negatives: int = option(
+        0, "K: mine K hard negatives per sentence among the teacher's neighbours over all shards (0 = off)."
+    )
+    hn_depth: int = option(64, "Neighbours searched per sentence; negatives are the first K that pass.")
+    hn_max_similarity: float = option(
+        0.9, "Skip neighbours with teacher cosine above this (near-duplicates, likely positives)."
+    )
+    hn_min_similarity: float = option(-1.0, "Skip neighbours with teacher cosine below this (-1 = no floor).")
+    hn_index: Literal["flat", "ivf", "hnsw"] = option(
+        "flat", "faiss index over the teacher vectors: flat (exact), ivf or hnsw (large corpora)."
+    )
+    workers: int = option(1, "Local worker processes; each loads the teacher and takes whole shards.")
+    task_index: int = option(0, "This task's index among --num-tasks (SLURM_ARRAY_TASK_ID).")
+    num_tasks: int = option(1, "Number of tasks sharing the shards (SLURM_ARRAY_TASK_COUNT).")
+    finalize_only: bool = option(
+        False, "Only mine (if asked) and write manifest.json from finished shards (fails if any is missing)."
+    )
+    progress: bool = option(True, "Show a progress bar (sentences/s).")
+
+    def __post_init__(self) -> None:
+        if self.shards is None or self.out is None or not self.model:
+            raise ConfigError("usage: python -m pipeline teacher --shards IN --out OUT --model TEACHER")
+        if self.batch_size < 1 or self.workers < 1:
+            raise ConfigError("--batch-size and --workers must be >= 1")
+        if self.max_length is not None and self.max_length < 4:
+            raise ConfigError("--max-length must be >= 4 tokens (or empty for the model's)")
+        if self.hard_negatives < 0:
+            raise ConfigError("--hard-negatives must be >= 0 (0 = no mining)")
+        if self.hard_negatives and self.hn_depth <= self.hard_negatives:
+            raise ConfigError(
+                f"--hn-depth ({self.hn_depth}) must exceed --hard-negatives ({self.hard_negatives}): the "
+                "sentence itself and filtered neighbours take places; try 4x K or more"
+            )
+        if not -1.0 <= self.hn_min_similarity < self.hn_max_similarity <= 1.0:
+            raise ConfigError(
+                "need -1 <= --hn-min-similarity < --hn-max-similarity <= 1 (cosines), got "
+                f"{self.hn_min_similarity} and {self.hn_max_similarity}"
+            )
+        if self.num_tasks < 1 or not 0 <= self.task_index < self.num_tasks:
+            raise ConfigError(
+                f"task_index must be in [0, num_tasks), got {self.task_index} of {self.num_tasks}; "
+                "for a SLURM array pass --task-index $SLURM_ARRAY_TASK_ID --num-tasks $SLURM_ARRAY_TASK_COUNT"
+            )
+
+
+# --------------------------------------------------------------------------------------------- teacher
+def resolve_device(device: str) -> str:
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+def precision_for(device: str, bf16: bool) -> Precision:
+    """fp16 weights on a GPU; fp32 on the CPU, or fp32 weights under bf16 autocast with --bf16."""
+    return "fp16" if device.startswith("cuda") else ("bf16" if bf16 else "fp32")
+
+
+def load_teacher(cfg: Config, device: str) -> Any:
+    from pipeline.evaluate.resolve import load_encoder, resolve
+
+    encoder = load_encoder(resolve(cfg.model), device)
+    if cfg.max_length is not None:
+        encoder.max_length = cfg.max_length
+    if precision_for(device, cfg.bf16) == "fp16":
+        encoder.half()
+    return encoder
+
+
+def teacher_record(cfg: Config, encoder: Any, precision: Precision) -> dict[str, Any]:
+    """What the manifest says about the teacher (``data.teacher`` is checked against it)."""
+    from pipeline.evaluate.resolve import resolve
+
+    resolved = resolve(cfg.model)
+    model_dir = resolved.skeleton_dir or resolved.model_dir
+    digest, covers = model_hash(resolved.model_dir)
+    return {
+        "name": cfg.model,
+        "path": str(Path(model_dir).resolve()) if model_dir else None,
+        "kind": resolved.kind,
+        "hash": digest,
+        "hash_of": covers,
+        "pooling": encoder.pooling,
+        "prefix": encoder.prefix,
+        "dim": encoder.dim,
+        "max_length": encoder.max_length,
+        "dtype": STORED_DTYPE,
+        "compute_precision": precision,
+    }
+
+
+def encode_texts(
+    encoder: Any, texts: list[str], batch_size: int, precision: Precision, report: Any = None
+) -> np.ndarray:
+    """(N, D) float16, L2-normalised: batches of length-sorted texts, put back in input order."""
+    import torch
+    import torch.nn.functional as F
+
+    out = np.zeros((len(texts), encoder.dim), dtype=np.float16)
+    order = np.argsort([-len(t) for t in texts], kind="stable")  # as SentenceEncoder.encode: little padding
+    device = next(encoder.parameters()).device
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+    with torch.inference_mode(), autocast:
+        for start in range(0, len(texts), batch_size):
+            idx = order[start : start + batch_size]
+            batch = {k: v.to(device) for k, v in encoder.tokenize([texts[i] for i in idx]).items()}
+            emb = F.normalize(encoder(**batch).float(), dim=-1)  # (b, D); renormalised after fp16/bf16
+            out[idx] = emb.cpu().numpy().astype(np.float16)
+            if report is not None:
+                report(len(idx))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- shards
+@dataclass(frozen=True)
+class ShardJob:
+    in_dir: Path
+    entry: dict[str, Any]  # the input manifest's entry for this shard
+    out_dir: Path  # where the encoded shard goes (OUT, or the work dir before mining)
+    record_dir: Path
+    shard_index: int
+
+
+def encode_shard(job: ShardJob, encoder: Any, cfg: Config, precision: Precision, report: Any = None) -> dict:
+    """Verify one input shard, write its copy with the teacher column(s), then its completion record."""
+    in_path = verify_shard(job.in_dir, job.entry)
+    for stale in job.out_dir.glob(f".{job.entry['name']}.tmp-*"):  # left by a killed run of this shard
+        stale.unlink(missing_ok=True)
+    blocks = list(read_shard(in_path))  # whole shard: the length sort spans its blocks
+    for block in blocks:
+        if "text" not in block.column_names:
+            raise InputError(f"shard {in_path} has no text column; is it a preprocess/augment shard?")
+        if "teacher" in block.column_names:
+            raise InputError(f"shard {in_path} already has a teacher column; encode the augment output")
+    if cfg.variants and "variants" not in blocks[0].column_names:
+        raise InputError(f"--variants: shard {in_path} has no variants column; run augment first")
+    texts = [t for b in blocks for t in b.column("text").to_pylist()]
+    started = time.perf_counter()
+    vectors = encode_texts(encoder, texts, cfg.batch_size, precision, report)
+    seconds = time.perf_counter() - started
+    log.info("%s: %d sentences in %.1f s (%.1f sentences/s, %s)", job.entry["name"], len(texts), seconds,
+             len(texts) / max(seconds, 1e-9), precision)  # fmt: skip
+    counts = {"sentences": len(texts), "variants_encoded": 0}
+    if cfg.variants:
+        nested = [v for b in blocks for v in b.column("variants").to_pylist()]
+        flat = [v for vs in nested for v in vs]
+        variant_vectors = encode_texts(encoder, flat, cfg.batch_size, precision)
+        offsets = np.concatenate([[0], np.cumsum([len(vs) for vs in nested])]).astype(np.int32)
+        counts["variants_encoded"] = len(flat)
+
+    def out_blocks():
+        row = 0
+        for block in blocks:
+            lo, hi = row, row + block.num_rows
+            block = block.append_column(
+                pa.field("teacher", pa.list_(pa.float16(), vectors.shape[1]), nullable=False),
+                vector_column(vectors[lo:hi]),
+            )
+            if cfg.variants:
+                o = offsets[lo : hi + 1]
+                values = vector_column(variant_vectors[o[0] : o[-1]])
+                column = pa.ListArray.from_arrays(pa.array(o - o[0], pa.int32()), values)
+                block = block.append_column(pa.field("teacher_variants", column.type, nullable=False), column)
+            row = hi
+            yield block
+
+    entry = write_shard(job.out_dir / job.entry["name"], out_blocks(), job.shard_index)
+    record = {"entry": entry, "counts": counts}
+    atomic_write_json(record_path(job.record_dir, job.entry["name"]), record)  # after the shard: it is done
+    return record
+
+
+# --------------------------------------------------------------------------------------------- workers
+_worker: dict[str, Any] = {}
+
+
+def _init_worker(cfg: Config, device: str, progress: Any, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)  # the workers share the node's cores
+    if device == "cuda" and torch.cuda.device_count() > 1:  # one GPU per worker, round robin
+        device = f"cuda:{(mp.current_process()._identity[0] - 1) % torch.cuda.device_count()}"
+    _worker.update(encoder=load_teacher(cfg, device), cfg=cfg, precision=precision_for(device, cfg.bf16))
+    _worker["progress"] = progress
+
+
+def _run_in_worker(job: ShardJob) -> dict[str, Any]:
+    return encode_shard(
+        job, _worker["encoder"], _worker["cfg"], _worker["precision"], _worker["progress"].put
+    )
+
+
+def _process(cfg: Config, jobs: list[ShardJob], device: str, encoder: Any) -> None:
+    from tqdm import tqdm
+
+    total = sum(job.entry["sentences"] for job in jobs)
+    bar = tqdm(total=total, unit="sent", unit_scale=True, disable=not cfg.progress, desc="teacher")
+    try:
+        if cfg.workers == 1 or len(jobs) == 1:
+            for job in jobs:
+                encode_shard(job, encoder, cfg, precision_for(device, cfg.bf16), bar.update)
+            return
+        ctx = mp.get_context("spawn")
+        progress = ctx.Queue()
+        workers = min(cfg.workers, len(jobs))
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        pool = cf.ProcessPoolExecutor(
+            workers, mp_context=ctx, initializer=_init_worker, initargs=(cfg, device, progress, threads)
+        )
+        try:
+            pending = {pool.submit(_run_in_worker, job) for job in jobs}
+            while pending:
+                done, pending = cf.wait(pending, timeout=0.2, return_when=cf.FIRST_COMPLETED)
+                _drain(progress, bar)
+                for future in done:
+                    future.result()  # re-raises a worker's InputError naming the shard
+            _drain(progress, bar)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+    finally:
+        bar.close()
+
+
+def _drain(progress: Any, bar: Any) -> None:
+    while True:
+        try:
+            bar.update(progress.get_nowait())
+        except queue.Empty:
+            return
+
+
+# --------------------------------------------------------------------------------------------- driver
+def record_path(record_dir: Path, shard_name: str) -> Path:
+    return record_dir / (Path(shard_name).stem + ".json")
+
+
+def read_record(record_dir: Path, shard_dir: Path, shard_name: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(record_path(record_dir, shard_name).read_text(encoding="utf-8"))
+    except FileNotFoundError:  # not done yet, or another task finalized and removed the work dir
+        return None
+    shard = shard_dir / shard_name
+    if not shard.is_file() or shard.stat().st_size != record["entry"]["bytes"]:
+        return None  # removed or replaced after its record: redo it
+    return record
+
+
+def _shard_index(name: str, position: int) -> int:
+    match = re.fullmatch(r"shard-(\d+)\.tar", name)
+    return int(match.group(1)) if match else position
+
+
+def layout(cfg: Config) -> tuple[Path, Path]:
+    """(where encoded shards go, where their records go): OUT itself, or the work dir before mining."""
+    work = cfg.out / WORK_DIR
+    return (work / ENCODED, work / ENCODED) if cfg.hard_negatives else (cfg.out, work)
+
+
+def run_fingerprint(cfg: Config, in_manifest_sha: str, teacher: dict[str, Any]) -> dict[str, Any]:
+    """What the output depends on: config, input manifest, the teacher (weights hash, precision)."""
+    config = {k: v for k, v in to_dict(cfg).items() if k not in EXECUTION_FIELDS}
+    return {"config": config, "input_manifest_sha256": in_manifest_sha, "teacher": teacher}
+
+
+def _claim_out_dir(cfg: Config, fingerprint: dict[str, Any]) -> None:
+    """Refuse to mix two different runs (or a CPU and a GPU task) in one output directory."""
+    work = cfg.out / WORK_DIR
+    work.mkdir(parents=True, exist_ok=True)
+    run_file = work / "run.json"
+    if run_file.is_file():
+        if json.loads(run_file.read_text(encoding="utf-8")) != fingerprint:
+            raise InputError(
+                f"{cfg.out} holds an unfinished teacher run with a different config, input or teacher "
+                f"({run_file}); use another --out or delete that directory"
+            )
+    else:
+        atomic_write_json(run_file, fingerprint)
+
+
+def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, Any]) -> bool:
+    """Mine (if asked) and write manifest.json once every shard is encoded; return whether it did."""
+    shard_dir, record_dir = layout(cfg)
+    names = [e["name"] for e in in_manifest["shards"]]
+    records = [read_record(record_dir, shard_dir, n) for n in names]
+    missing = [n for n, r in zip(names, records) if r is None]
+    if missing:
+        if (cfg.out / MANIFEST).is_file():  # another array task finalized while we looked
+            return True
+        if cfg.finalize_only:
+            raise InputError(
+                f"{len(missing)} shard(s) of {cfg.out} are not encoded (first: {missing[0]}); "
+                "run the teacher tasks that own them first"
+            )
+        log.info("%d of %d shards encoded; the task that finishes last finalizes", len(names) - len(missing),
+                 len(names))  # fmt: skip
+        return False
+    counts = {"sentences": 0, "variants_encoded": 0}
+    for r in records:
+        for key in counts:
+            counts[key] += r["counts"][key]
+    extra: dict[str, Any] = {}
+    entries = [r["entry"] for r in records]
+    if cfg.hard_negatives:
+        from pipeline.teacher.negatives import MineParams, mine_shards
+
+        params = MineParams(
+            cfg.hard_negatives, cfg.hn_depth, cfg.hn_max_similarity, cfg.hn_min_similarity, cfg.hn_index
+        )
+        entries, mined = mine_shards(shard_dir, entries, cfg.out, cfg.out / WORK_DIR, params, cfg.progress)
+        counts["hard_negatives"] = mined
+        extra["hard_negatives"] = params.record()
+    manifest = new_manifest(
+        "teacher",
+        fingerprint["config"],
+        entries,
+        counts=counts,
+        input_manifest_sha256=fingerprint["input_manifest_sha256"],
+        input_config=in_manifest.get("config", {}),
+        teacher=fingerprint["teacher"],
+        **extra,
+    )
+    atomic_write_json(cfg.out / MANIFEST, manifest)
+    shutil.rmtree(cfg.out / WORK_DIR, ignore_errors=True)  # the manifest now records everything in it
+    log.info("wrote %s: %d sentences, teacher %s", cfg.out / MANIFEST, counts["sentences"], cfg.model)
+    return True
+
+
+def run(cfg: Config) -> int:
+    in_manifest = read_manifest(cfg.shards)
+    if in_manifest.get("stage") not in ("augment", "preprocess"):
+        raise InputError(
+            f"{cfg.shards / MANIFEST} was written by stage {in_manifest.get('stage')!r}; the teacher "
+            "stage reads the output of `augment` (or `preprocess`)"
+        )
+    if cfg.out.resolve() == cfg.shards.resolve():
+        raise ConfigError("out must differ from shards: the teacher stage never writes over its input")
+    device = resolve_device(cfg.device)
+    encoder = load_teacher(cfg, device)
+    precision = precision_for(device, cfg.bf16)
+    fingerprint = run_fingerprint(
+        cfg, sha256_file(cfg.shards / MANIFEST), teacher_record(cfg, encoder, precision)
+    )
+    if (cfg.out / MANIFEST).is_file():
+        existing = read_manifest(cfg.out)
+        if {k: existing.get(k) for k in fingerprint} == fingerprint:
+            log.info("%s is already complete; nothing to do", cfg.out)
+            return 0
+        raise InputError(
+            f"{cfg.out / MANIFEST} exists from a different config, input or teacher; use another --out"
+        )
+    _claim_out_dir(cfg, fingerprint)
+    shard_dir, record_dir = layout(cfg)
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    record_dir.mkdir(parents=True, exist_ok=True)
+    if not cfg.finalize_only:
+        mine = [(i, e) for i, e in enumerate(in_manifest["shards"]) if i % cfg.num_tasks == cfg.task_index]
+        jobs = [
+            ShardJob(cfg.shards, e, shard_dir, record_dir, _shard_index(e["name"], i))
+            for i, e in mine
+            if read_record(record_dir, shard_dir, e["name"]) is None
+        ]
+        log.info("task %d/%d: %d shard(s), %d to do", cfg.task_index, cfg.num_tasks, len(mine), len(jobs))
+        if jobs:
+            if cfg.workers > 1 and len(jobs) > 1:
+                encoder = None  # the workers load their own
+            _process(cfg, jobs, device, encoder)
+    finalize(cfg, in_manifest, fingerprint)
+    return 0
