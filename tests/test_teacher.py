@@ -179,6 +179,16 @@ def test_two_tasks_and_a_killed_run_give_identical_shards(tmp_path, shards, teac
     teach(shards, tmp_path / "killed", teacher_dir, **fields)  # complete: a rerun does nothing
 
 
+def test_two_worker_processes_match_one(tmp_path, shards, teacher_dir, taught):
+    teach(shards, tmp_path / "w2", teacher_dir, workers=2)
+    got, want = table(tmp_path / "w2"), table(taught)
+    assert got.column("id").equals(want.column("id"))
+    # the workers may use another thread count than this process: equal up to float16 rounding
+    np.testing.assert_allclose(
+        teacher_matrix(got.column("teacher")), teacher_matrix(want.column("teacher")), atol=1e-3
+    )
+
+
 def test_bad_input_is_one_clear_error(tmp_path, shards, teacher_dir):
     import shutil
 
