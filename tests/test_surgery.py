@@ -54,7 +54,7 @@ def wordpiece_model(tmp_path_factory) -> Path:
     from pipeline.model import make_tokenizer
 
     folder = tmp_path_factory.mktemp("wp")
-    chars = sorted({c for t in CORPUS + COVERED for c in t if not c.isspace()} | set("猫жук:q"))
+    chars = sorted({c for t in CORPUS + COVERED for c in t if not c.isspace()} | set("猫жук:q*"))
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "北京", "天气", "##llo", "he", "wor", "##ld"]
     vocab += chars + [f"##{c}" for c in chars if c.isascii()] + ["##ж", "##у", "##к", "东京", "大阪", "xyz"]
     vocab = list(dict.fromkeys(vocab))
@@ -71,7 +71,7 @@ def unigram_model(tmp_path_factory) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     folder = tmp_path_factory.mktemp("uni")
-    chars = sorted({c for t in CORPUS + COVERED for c in t if not c.isspace()} | set(":q"))
+    chars = sorted({c for t in CORPUS + COVERED for c in t if not c.isspace()} | set(":q*"))
     pieces = ["▁", "北京", "天气", "▁北京", "我们", "▁hello", "▁world", "▁wor", "ld", "今天", "▁q"]
     pieces += chars + [f"▁{c}" for c in chars] + JUNK
     pieces = list(dict.fromkeys(pieces))
@@ -172,7 +172,9 @@ def test_trim_keeps_covered_tokenisation_and_embeddings(kind: str, request, tmp_
     after = student.tokenizer(UNSEEN_SCRIPT, add_special_tokens=False)["input_ids"]
     assert source.tokenizer.unk_token_id not in before
     assert student.tokenizer.unk_token_id in after
-    assert CJK_NOT_IN_CORPUS in student.tokenizer.get_vocab()  # a single character of a seen script
+    vocab = student.tokenizer.get_vocab()
+    assert CJK_NOT_IN_CORPUS in vocab and "*" in vocab  # single characters of blocks the corpus shows
+    assert "α" not in vocab and "ж" not in vocab  # Greek and Cyrillic blocks: never in the corpus
     assert "东京" not in student.tokenizer.get_vocab()  # a multi-character piece the corpus never used
 
 

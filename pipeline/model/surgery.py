@@ -9,8 +9,8 @@ DistilBERT-style every-n-th cut) stay; works for anything with ``encoder.layer``
 *Vocabulary.* multilingual-e5-small spends 96M of its 117.5M parameters on 250k word embeddings, most
 of them for scripts a Chinese corpus never uses. We keep the pieces that tokenising the training corpus
 produces, every special token, and every single-character piece (``c``, ``▁c``, ``##c``) whose character
-belongs to a script seen in the corpus (the first word of its Unicode name: CJK, LATIN, HIRAGANA, ...),
-so that an unseen character of a seen script still has its own piece instead of ``<unk>``. Evaluation
+lies in a Unicode block seen in the corpus (Basic Latin, CJK Unified Ideographs, ...), so that an unseen
+character of a seen block still has its own piece instead of ``<unk>``. Evaluation
 text never enters the choice.
 
 Why covered text tokenises exactly as before: WordPiece takes the longest known piece at each position;
@@ -31,7 +31,6 @@ import random
 import re
 import shutil
 import time
-import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,10 +175,15 @@ def corpus_texts(shards: Iterable[Path], text_files: Iterable[Path], max_sentenc
     return out
 
 
-def script_of(char: str) -> str | None:
-    """A script-like family of a character: the first word of its Unicode name (CJK, LATIN, ...)."""
-    name = unicodedata.name(char, "")
-    return name.split(" ", 1)[0] if name else None
+def block_of(char: str) -> str | None:
+    """The Unicode block of a character (Basic Latin, CJK Unified Ideographs, Hiragana, ...).
+
+    The table comes with fontTools, which matplotlib (a dependency) requires.
+    """
+    from fontTools.unicodedata import block
+
+    name = block(char)
+    return None if name == "No_Block" else name
 
 
 # ------------------------------------------------------------------------------------------------ vocab
@@ -210,11 +214,11 @@ class VocabChoice:
     from_corpus: int
     special: int
     single_char: int
-    scripts: list[str]
+    blocks: list[str]  # Unicode blocks seen in the corpus
 
 
 def choose_pieces(backend: Any, texts: Sequence[str], batch_size: int = 8192) -> VocabChoice:
-    """Old ids to keep: pieces the corpus produces, special/added tokens, single chars of seen scripts."""
+    """Old ids to keep: pieces the corpus produces, special/added tokens, single chars of seen blocks."""
     data = json.loads(backend.to_str())
     model = data["model"]
     pieces = _pieces(model)
@@ -236,11 +240,12 @@ def choose_pieces(backend: Any, texts: Sequence[str], batch_size: int = 8192) ->
     else:
         special.add(model["vocab"][model["unk_token"]])
 
-    scripts = {s for text in texts for s in map(script_of, set(text)) if s}
+    chars = set().union(*map(set, texts)) if texts else set()
+    blocks = {b for b in map(block_of, chars) if b}
     singles = set()
     for i, piece in enumerate(pieces):
         core = _char_core(piece, model["type"], data)
-        if len(core) == 1 and script_of(core) in scripts:
+        if len(core) == 1 and block_of(core) in blocks:
             singles.add(i)
     kept = sorted(used | special | singles)
     return VocabChoice(
@@ -248,7 +253,7 @@ def choose_pieces(backend: Any, texts: Sequence[str], batch_size: int = 8192) ->
         from_corpus=from_corpus,
         special=len(special),
         single_char=len(singles - used - special),
-        scripts=sorted(scripts),
+        blocks=sorted(blocks),
     )
 
 
@@ -461,7 +466,7 @@ def make_student(cfg: Config) -> dict[str, Any]:
             "from_corpus": choice.from_corpus,
             "special": choice.special,
             "single_char_added": choice.single_char,
-            "scripts": len(choice.scripts),
+            "unicode_blocks": len(choice.blocks),
             "corpus": {
                 "shards": [str(Path(p).resolve()) for p in cfg.shards],
                 "texts": [str(Path(p).resolve()) for p in cfg.texts],
@@ -529,7 +534,7 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
         lines.append(
             f"  pieces kept       {v['pieces_kept']:,} of {v['pieces_before']:,} "
             f"(corpus {v['from_corpus']:,}, special {v['special']}, "
-            f"single characters of {v['scripts']} scripts +{v['single_char_added']:,})"
+            f"single characters of {v['unicode_blocks']} Unicode blocks +{v['single_char_added']:,})"
         )
     lines.append(f"  parameters        {s['parameters_before']:,} -> {s['parameters_after']:,}")
     if s.get("verified"):
