@@ -6,26 +6,22 @@ Parse the config, build, train, close. Everything else lives in ``pipeline.train
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from pipeline.cli import build_config, setup_logging
 from pipeline.errors import PipelineError
-from pipeline.train.build import build
 from pipeline.train.config import Config
-from pipeline.train.loop import train
+from pipeline.train.run import run
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], on_batch: Callable[[Any, dict[str, Any]], None] | None = None) -> int:
     setup_logging()
     try:
-        cfg = build_config(Config, argv)
-        trainer = build(cfg)
+        return run(build_config(Config, argv), on_batch)
     except PipelineError as exc:  # a user mistake: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    try:
-        return train(trainer)
-    finally:
-        trainer.close()
 
 
 if __name__ == "__main__":

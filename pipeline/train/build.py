@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,7 @@ class Trainer:
     checkpointer: Checkpointer | None = None
     preemption: PreemptionHandler | None = None
     sts_valid: PairSet | None = None  # rank 0 only: the STS-B valid pairs scored by evaluate()
+    on_batch: Callable[[Trainer, dict[str, Any]], None] | None = None  # sees each batch before its step
 
     @property
     def encoder(self) -> SentenceEncoder:

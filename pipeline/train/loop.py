@@ -223,7 +223,10 @@ def train(t: Trainer) -> int:
             save_checkpoint(t, is_best=True)
             policy.saved()
     while t.state.step < t.total_steps:
-        out = train_step(t, next(batches))
+        batch = next(batches)
+        if t.on_batch is not None:
+            t.on_batch(t, batch)
+        out = train_step(t, batch)
         bar.update(1)
         step = t.state.step
         if step % cfg.train.log_every == 0 or step == t.total_steps:
