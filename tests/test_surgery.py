@@ -19,7 +19,24 @@ CORPUS = ["我们今天去北京", "天气很好，我们去公园", "北京的�
 COVERED = ["今天我们去公园", "北京天气很好", "world hello", "天很好"]
 CJK_NOT_IN_CORPUS = "猫"  # a CJK piece of the source vocabulary, never in the corpus
 UNSEEN_SCRIPT = "жук"  # Cyrillic: pieces exist in the source, the script never occurs in the corpus
-JUNK = ["东京", "大阪", "▁东京", "xyz", "▁xyz", "ку", "ж", "у", "к", "▁ж", "▁жук", "猫", "▁猫", "α", "β"]
+JUNK = [
+    "我去",
+    "东京",
+    "大阪",
+    "▁东京",
+    "xyz",
+    "▁xyz",
+    "ку",
+    "ж",
+    "у",
+    "к",
+    "▁ж",
+    "▁жук",
+    "猫",
+    "▁猫",
+    "α",
+    "β",
+]
 
 
 def _bert_config(vocab_size: int, pad: int) -> object:
@@ -271,3 +288,18 @@ def test_corpus_reads_text_and_variants_of_shards(tiny_shards, tmp_path: Path) -
     assert len(corpus_texts([directory], [], max_sentences=7)) == 7
     with pytest.raises(InputError, match="not a directory"):
         corpus_texts([tmp_path / "nope"], [])
+
+
+def test_seen_char_pieces_keeps_unused_pieces_of_corpus_characters(
+    unigram_model: Path, tmp_path: Path
+) -> None:
+    corpus = _corpus(tmp_path)
+    _student(unigram_model, tmp_path / "a", corpus)
+    _student(unigram_model, tmp_path / "b", corpus, seen_char_pieces=True)
+    plain, wide = (SentenceEncoder.from_pretrained(tmp_path / n).tokenizer for n in "ab")
+    assert (
+        "我去" not in plain.get_vocab() and "我去" in wide.get_vocab()
+    )  # both characters occur, the piece not
+    assert "东京" not in wide.get_vocab()  # 东 and 京 never occur in the corpus
+    texts = ["q: " + t for t in CORPUS + COVERED]
+    assert token_strings(wide, texts) == token_strings(plain, texts)
