@@ -113,6 +113,7 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/student_bench"))
     parser.add_argument("--max_pairs", type=int, default=1000)
     parser.add_argument("--no_eval", action="store_true", help="skip the STS evaluations")
+    parser.add_argument("--seen_char_pieces", action="store_true", help="student --seen_char_pieces")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -120,7 +121,15 @@ def main() -> int:
     base = dict(model=args.model, keep_layers=args.keep_layers)
     cut = make_student(Config(**base, out=args.work / "cut", trim_vocab=False, overwrite=True))
     shards = [Path(s) for s in args.shards]
-    trimmed = make_student(Config(**base, out=args.work / "trimmed", shards=shards, overwrite=True))
+    trimmed = make_student(
+        Config(
+            **base,
+            out=args.work / "trimmed",
+            shards=shards,
+            seen_char_pieces=args.seen_char_pieces,
+            overwrite=True,
+        )
+    )
     source = SentenceEncoder.from_pretrained(args.work / "cut")
     student = SentenceEncoder.from_pretrained(args.work / "trimmed")
     rows = tokenisation_stats(source, student, eval_sentences())
