@@ -39,6 +39,7 @@ from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_back
 from pipeline.model.vocab import read_model_config, write_vocab
 from pipeline.resources import EVAL_DIR
 from pipeline.shards import read_shard, shard_paths
+from pipeline.teacher.identity import batches_carry_teacher
 from pipeline.train.checkpoint import Checkpointer, check_compatible
 from pipeline.train.config import UNSUPERVISED, Config, check_against_environment, resolve_path
 from pipeline.train.metrics import MetricsLogger
@@ -292,7 +293,8 @@ def build_stream(cfg: Config, tokenizer: Any, rank: int, world: int, prefix: str
     if objective.unsupervised:
         blocks = dist.broadcast_object(index_shards(d.shards, d.verify_shards) if rank == 0 else None)
         k, views = (d.num_variants, d.num_dropout_views) if objective.uses_variants else (0, 1)
-        collate = ViewCollator(tokenizer, d.max_length, k, views, prefix)
+        teacher = batches_carry_teacher(cfg)  # checks data.teacher/num_hard_negatives against the shards
+        collate = ViewCollator(tokenizer, d.max_length, k, views, prefix, teacher, d.num_hard_negatives)
         source: Any = ShardSource(blocks, collate.columns)
         if cfg.objective.mlm_weight:  # masks drawn in the loader workers, from the data position
             collate = MLMCollator(collate, tokenizer, t.seed, cfg.objective.mlm_probability)
