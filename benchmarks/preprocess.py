@@ -33,12 +33,11 @@ from pathlib import Path
 import psutil
 import pyarrow.compute as pc
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from pipeline.preprocess.text import clean_paragraphs, split_sentences
+from pipeline.resources import SAMPLE_CORPUS
+from pipeline.shards import read_manifest, read_shard
 
-from pipeline.preprocess.text import clean_paragraphs, split_sentences  # noqa: E402
-from pipeline.resources import SAMPLE_CORPUS  # noqa: E402
-from pipeline.shards import read_manifest, read_shard  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 PHASES = ("split", "dedup", "shards", "finalize")
 TOKEN_CHARS = "甲乙丙丁戊己庚辛壬癸"

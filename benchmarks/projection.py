@@ -34,11 +34,10 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from pipeline.resources import SAMPLE_CORPUS
+from pipeline.shards import read_manifest, read_shard, sentence_id, shard_paths
 
-from pipeline.resources import SAMPLE_CORPUS  # noqa: E402
-from pipeline.shards import read_manifest, read_shard, sentence_id, shard_paths  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 STS_SETS = ("ATEC", "BQ", "LCQMC", "PAWSX", "STS-B")
 DEFAULT_CONFIG = ROOT / "launch" / "configs" / "default.yaml"

@@ -32,6 +32,8 @@ from typing import Any, Literal
 from pipeline.errors import InputError, PipelineError
 from pipeline.model.encoder import ENCODER_FILE, SentenceEncoder
 from pipeline.model.rules import is_sentence_transformers_folder
+from pipeline.train.checkpoint import MANIFEST as CHECKPOINT_MANIFEST
+from pipeline.train.checkpoint import MODEL_DIR
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +96,11 @@ def is_zero_checkpoint(path: Path) -> bool:
 
 
 def _checkpoint_model(checkpoint: Path) -> Path:
-    model = checkpoint / "model"
+    model = checkpoint / MODEL_DIR
     if not (model / ENCODER_FILE).is_file():
-        raise InputError(f"checkpoint {checkpoint} has no model/{ENCODER_FILE}; it is incomplete or not ours")
+        raise InputError(
+            f"checkpoint {checkpoint} has no {MODEL_DIR}/{ENCODER_FILE}; it is incomplete or not ours"
+        )
     return model
 
 
@@ -124,8 +128,8 @@ def resolve(spec: str | Path, which: Which = "latest", skeleton: Path | None = N
         return Resolved(text, "model", path)
     # A run directory has a model/ too (the final model); its checkpoints/ pointer decides, so that
     # --checkpoint latest|best is honoured.
-    is_run = (path / "checkpoints").is_dir() and not (path / "checkpoint.json").is_file()
-    if not is_run and ((path / "model").is_dir() or (path / "checkpoint.json").is_file()):
+    is_run = (path / "checkpoints").is_dir() and not (path / CHECKPOINT_MANIFEST).is_file()
+    if not is_run and ((path / MODEL_DIR).is_dir() or (path / CHECKPOINT_MANIFEST).is_file()):
         run = path.parent.parent if path.parent.name == "checkpoints" else None
         return Resolved(text, "checkpoint", _checkpoint_model(path), checkpoint_dir=path, run_dir=run)
     if is_zero_checkpoint(path):
@@ -284,7 +288,7 @@ def describe(resolved: Resolved) -> dict[str, Any]:
     info: dict[str, Any] = {"spec": resolved.spec, "kind": resolved.kind, "model_dir": resolved.name}
     if resolved.checkpoint_dir is not None:
         info["checkpoint_dir"] = str(resolved.checkpoint_dir)
-        meta = resolved.checkpoint_dir / "checkpoint.json"
+        meta = resolved.checkpoint_dir / CHECKPOINT_MANIFEST
         if meta.is_file():
             with contextlib.suppress(OSError, json.JSONDecodeError):
                 data = json.loads(meta.read_text(encoding="utf-8"))
