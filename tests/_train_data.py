@@ -93,3 +93,11 @@ def run_and_dump(cfg) -> dict:
     AcceleratorState._reset_state(True)
     assert run(cfg) == 0
     return json.loads((cfg.run_dir / "debug" / "rank0.json").read_text())
+
+
+def full_and_resumed(tmp_path: Path, make_cfg, stop: int, total: int) -> tuple[dict, dict]:
+    """Debug dumps of ``total`` steps uninterrupted (run dir ``full``) and of a run stopped after ``stop``
+    steps and resumed to ``total`` (``split``); ``make_cfg(run_dir, max_steps)`` gives each run's config."""
+    full = run_and_dump(make_cfg(tmp_path / "full", total))
+    run_and_dump(make_cfg(tmp_path / "split", stop))
+    return full, run_and_dump(make_cfg(tmp_path / "split", total))

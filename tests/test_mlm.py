@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from _train_data import debug_config, run_and_dump, sample_sentences
+from _train_data import debug_config, full_and_resumed, sample_sentences
 from safetensors import safe_open
 
 from pipeline.config import load_config
@@ -202,13 +202,10 @@ def test_resume_with_mlm_is_exact(tmp_path, shards):
     """3 steps, stop, resume to 6 == 6 steps uninterrupted, with the MLM head and masks in play."""
     common = {"objective.momentum": 0.9, "train.debug_dump": True}
 
-    def go(run_dir, steps):
-        overrides = {**common, "run_dir": str(run_dir), "train.max_steps": steps}
-        return run_and_dump(debug_cfg(tmp_path, shards, **overrides))
+    def make_cfg(run_dir, steps):
+        return debug_cfg(tmp_path, shards, **{**common, "run_dir": str(run_dir), "train.max_steps": steps})
 
-    full = go(tmp_path / "full", 6)
-    go(tmp_path / "split", 3)
-    resumed = go(tmp_path / "split", 6)
+    full, resumed = full_and_resumed(tmp_path, make_cfg, stop=3, total=6)
     assert resumed["param_checksum"] == full["param_checksum"]  # includes the MLM head's parameters
     assert resumed["queue_checksum"] == full["queue_checksum"]
     pick = lambda d: [(r["loss"], r["mlm_loss"]) for r in read_metrics(d)]  # noqa: E731

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from _train_data import debug_config, run_and_dump, sample_sentences
+from _train_data import debug_config, full_and_resumed, sample_sentences
 
 from pipeline.config import load_config
 from pipeline.model import SentenceEncoder
@@ -244,13 +244,10 @@ def test_resume_continues_exactly(tmp_path, shards):
     """3 steps, stop, resume to 6 == 6 steps uninterrupted (queue, momentum encoder, cursor, RNG)."""
     common = {"objective.momentum": 0.9, "train.debug_dump": True, "train.eval_max_pairs": 16}
 
-    def go(run_dir, steps):
-        overrides = {**common, "run_dir": str(run_dir), "train.max_steps": steps}
-        return run_and_dump(debug_cfg(tmp_path, shards, **overrides))
+    def make_cfg(run_dir, steps):
+        return debug_cfg(tmp_path, shards, **{**common, "run_dir": str(run_dir), "train.max_steps": steps})
 
-    full = go(tmp_path / "full", 6)
-    go(tmp_path / "split", 3)
-    resumed = go(tmp_path / "split", 6)
+    full, resumed = full_and_resumed(tmp_path, make_cfg, stop=3, total=6)
     assert resumed["step"] == 6 and resumed["cursor"] == full["cursor"]
     assert resumed["queue_checksum"] == full["queue_checksum"]
     assert resumed["param_checksum"] == full["param_checksum"]
