@@ -273,7 +273,25 @@ def build_optimizer(cfg: Config, module: nn.Module) -> torch.optim.Optimizer:
         {"params": decay, "weight_decay": cfg.optim.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+    o = cfg.optim
+    fused = True if o.fused else None  # None: torch's own choice (a per-tensor loop on CPU)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused)
+
+
+def autocast_bf16_on_cpu(module: nn.Module) -> None:
+    """Run ``module``'s forward under CPU bf16 autocast, outputs back in fp32.
+
+    Accelerate (1.15) with mixed_precision=bf16 on CPU neither wraps the prepared forward nor autocasts
+    in ``accelerator.autocast()``: the run stayed fp32. On GPU Accelerate does this itself.
+    """
+    forward = module.forward
+
+    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = forward(*args, **kwargs)
+        return tuple(o.float() for o in out) if isinstance(out, tuple) else out.float()
+
+    module.forward = autocast_forward
 
 
 def read_records(cfg: Config) -> list[tuple]:
@@ -391,6 +409,8 @@ def build(cfg: Config) -> Trainer:
 
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     encoder = build_encoder(cfg)
+    if cfg.model.freeze_embeddings:
+        encoder.backbone.get_input_embeddings().requires_grad_(False)
     head = objective.build_head(cfg.objective, encoder.dim)
     mlm_head = None
     if cfg.objective.mlm_weight:  # after the encoder: with MLM off the initial weights are unchanged
@@ -411,6 +431,10 @@ def build(cfg: Config) -> Trainer:
     for m in (queue, momentum, teacher_queue):
         if m is not None:
             m.to(accelerator.device)
+    if cfg.train.mixed_precision == "bf16" and accelerator.device.type == "cpu":
+        for m in (module, momentum.encoder if momentum is not None else None):
+            if m is not None:
+                autocast_bf16_on_cpu(m)
     trainer = Trainer(
         cfg,
         accelerator,

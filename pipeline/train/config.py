@@ -112,6 +112,11 @@ class ModelConfig:
     dropout: float | None = option(
         None, "Hidden and attention dropout; empty keeps the model's own (dropout makes the views differ)."
     )
+    freeze_embeddings: bool = option(
+        False,
+        "Keep the word embeddings fixed: no gradient, no AdamW state (e5-small: 96 M of its 118 M "
+        "parameters are the 250k-piece embedding matrix).",
+    )
     layers: list[int] | None = option(
         None,
         "Keep only these transformer layers of the model (e.g. [0, 4, 8, 11]); empty keeps all. "
@@ -222,6 +227,9 @@ class OptimConfig:
     )
     min_lr_ratio: float = option(0.0, "Final learning rate as a fraction of lr.")
     grad_clip: float = option(1.0, "Clip the global gradient norm to this (0 = no clipping).")
+    fused: bool = option(
+        False, "Fused AdamW kernel (torch >= 2.4, CPU and GPU): one kernel for all tensors instead of a loop."
+    )
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
