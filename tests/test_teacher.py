@@ -216,6 +216,29 @@ def test_cli_runs_the_stage(tmp_path, shards, teacher_dir, capsys):
     assert "--model TEACHER" in capsys.readouterr().err
 
 
+def test_the_sbatch_script_as_two_array_tasks(tmp_path, shards, teacher_dir, taught):
+    """launch/slurm/teacher.sbatch run by hand as tasks 1 and 0 of a 2-task array (no SLURM needed)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "array"
+    for task in ("1", "0"):
+        env = {**os.environ, "SLURM_ARRAY_TASK_ID": task, "SLURM_ARRAY_TASK_COUNT": "2",
+               "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
+        script = str(repo / "launch" / "slurm" / "teacher.sbatch")
+        args = [str(shards), str(out), str(teacher_dir), "--batch-size", "16"]
+        done = subprocess.run(["bash", script, *args], env=env, cwd=repo, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert (out / "manifest.json").is_file() == (task == "0")  # the last task finalizes
+    np.testing.assert_allclose(
+        teacher_matrix(table(out).column("teacher")),
+        teacher_matrix(table(taught).column("teacher")),
+        atol=1e-3,
+    )
+
+
 # --------------------------------------------------------------------------------------------- negatives
 def test_select_negatives_skips_self_duplicates_variants_and_the_similarity_band():
     texts = [
