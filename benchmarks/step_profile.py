@@ -46,11 +46,9 @@ def timed_step(t: Trainer, batch: dict[str, Any], times: dict[str, list[float]])
     t.schedule.apply(t.state.step)
     inputs = {k: batch[k].to(acc.device) for k in ("input_ids", "attention_mask")}
     with acc.accumulate(t.model):
-        with acc.autocast():
-            rows = t.model(**inputs)
+        rows = t.model(**inputs)  # bf16: the forward autocasts itself (build.autocast_bf16_on_cpu)
         lap("forward")
-        with acc.autocast():
-            part = loop.compute_objective(t, rows, batch)
+        part = loop.compute_objective(t, rows, batch)
         lap("loss")
         acc.backward(part["loss"])
         lap("backward")
@@ -70,9 +68,8 @@ def timed_step(t: Trainer, batch: dict[str, Any], times: dict[str, list[float]])
 
 def bare_forward_backward(t: Trainer, batch: dict[str, Any]) -> float:
     start = time.perf_counter()
-    with t.accelerator.autocast():
-        rows = t.module.encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    rows.float().sum().backward()
+    rows = t.module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    rows.sum().backward()
     t.optimizer.zero_grad(set_to_none=True)
     return time.perf_counter() - start
 

@@ -9,6 +9,17 @@ worker with 1 + 4 texts per sample (tokenised, padded, the worker's whole job).
     .venv/bin/python benchmarks/train_throughput.py                       # defaults below
     .venv/bin/python benchmarks/train_throughput.py --batch 64 --steps 20 --hidden 256 --layers 4
 
+With ``--model FOLDER`` (e.g. the 3-layer e5-small cut of ``pipeline student``) both trainers use that
+model and its own tokenizer and text prefix, and ``--shards`` gives real augmented shards: the pairs
+of s-t are (text, first variant) of the same rows. ``--repeats`` runs both trainers that many times,
+interleaved, and reports medians with min-max. Our trainer runs with length bucketing
+(``--no-bucketing`` to turn it off) and ``--fused`` AdamW; s-t with its defaults. The padded/real
+token ratio of each trainer's batches is counted over the timed steps (s-t: over the same pairs,
+anchors and positives padded per column as its collator does).
+
+    .venv/bin/python benchmarks/train_throughput.py --model /tmp/e5-3l --shards runs/sample/augmented \
+        --batch 64 --max-length 48 --repeats 5
+
 Figures are wall-clock and noisy on a shared machine: compare within one run.
 """
 
@@ -19,6 +30,7 @@ import json
 import logging
 import os
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -91,19 +103,29 @@ def build_model_folder(folder: Path, texts: list[str], args: argparse.Namespace)
     ).save_pretrained(folder)
 
 
-def bench_loader(shards: Path, tokenizer, args: argparse.Namespace) -> float:
+def model_prefix(model_dir: Path) -> str:
+    spec = model_dir / "encoder.json"
+    return json.loads(spec.read_text()).get("prefix", "") if spec.is_file() else ""
+
+
+def bench_loader(shards: Path, tokenizer, args: argparse.Namespace, prefix: str = "") -> float:
     """Samples/s of one loader worker (in-process) producing 1 + 4 tokenised texts per sample."""
-    collate = ViewCollator(tokenizer, args.max_length, num_variants=4, num_dropout_views=0)
-    stream = BatchStream(ShardSource(index_shards(shards), collate.columns), collate, args.batch, 0, 1, 0, 0)
+    collate = ViewCollator(tokenizer, args.max_length, num_variants=4, num_dropout_views=0, prefix=prefix)
+    window = 0 if args.no_bucketing else 50
+    blocks = index_shards(shards)
+    stream = BatchStream(ShardSource(blocks, collate.columns), collate, args.batch, 0, 1, 0, 0, 1, window)
     batches = stream.epoch_batches()
     next(batches)  # first block decode and tokenizer warm-up
     t0, n = time.perf_counter(), 0
     for batch in batches:
         n += batch["ids"].shape[0]
+        if n >= args.loader_sentences:
+            break
     return n / (time.perf_counter() - t0)
 
 
-def bench_ours(shards: Path, model_dir: Path, run_dir: Path, args: argparse.Namespace) -> float:
+def bench_ours(shards: Path, model_dir: Path, run_dir: Path, args: argparse.Namespace) -> tuple[float, float]:
+    """Sentences/s over the timed steps and the padded/real token ratio of their batches."""
     from pipeline.train.build import build
     from pipeline.train.loop import train_step
 
@@ -123,6 +145,9 @@ def bench_ours(shards: Path, model_dir: Path, run_dir: Path, args: argparse.Name
         "optim.warmup_steps": 0,
         "checkpoint.every_steps": 0,
         "checkpoint.every_minutes": 0.0,
+        "data.length_bucketing": not args.no_bucketing,
+        "optim.fused": args.fused,
+        "train.mixed_precision": "bf16" if args.bf16 else "no",
     }
     trainer = build(load_config(Config, None, over))
     trainer.checkpointer = None
@@ -130,17 +155,46 @@ def bench_ours(shards: Path, model_dir: Path, run_dir: Path, args: argparse.Name
     trainer.model.train()
     for _ in range(args.warmup):
         train_step(trainer, next(batches))
-    t0 = time.perf_counter()
+    t0, real, padded = time.perf_counter(), 0, 0
     for _ in range(args.steps):
-        out = train_step(trainer, next(batches))
+        batch = next(batches)
+        out = train_step(trainer, batch)
+        real, padded = real + int(batch["attention_mask"].sum()), padded + batch["attention_mask"].numel()
     out["loss"].item()  # the one host sync
     elapsed = time.perf_counter() - t0
     trainer.close()
-    return args.batch * args.steps / elapsed
+    return args.batch * args.steps / elapsed, padded / real
+
+
+def st_pairs(shards: Path, texts: list[str], args: argparse.Namespace, prefix: str) -> list[dict[str, str]]:
+    """(anchor, positive) pairs: a row's text and its first cached variant, the prefix put before both."""
+    from pipeline.shards import read_shard, shard_paths
+
+    n = args.batch * (args.steps + args.warmup + 1)
+    rows: list[tuple[str, str]] = []
+    for path in shard_paths(shards):
+        for table in read_shard(path):
+            for t, v in zip(table.column("text").to_pylist(), table.column("variants").to_pylist()):
+                rows.append((t, v[0] if v else t))
+    random.Random(1).shuffle(rows)
+    return [{"anchor": prefix + a, "positive": prefix + b} for a, b in rows[:n]]
+
+
+def st_padding(pairs: list[dict[str, str]], tokenizer, args: argparse.Namespace) -> float:
+    """Padded/real tokens of s-t batches: each column padded to its longest row in the batch."""
+    real = padded = 0
+    for start in range(0, args.batch * args.steps, args.batch):
+        for column in ("anchor", "positive"):
+            texts = [p[column] for p in pairs[start : start + args.batch]]
+            mask = tokenizer(texts, padding=True, truncation=True, max_length=args.max_length)[
+                "attention_mask"
+            ]
+            real, padded = real + sum(map(sum, mask)), padded + len(mask) * len(mask[0])
+    return padded / real
 
 
 def bench_sentence_transformers(
-    model_dir: Path, texts: list[str], out_dir: Path, args: argparse.Namespace
+    model_dir: Path, pairs: list[dict[str, str]], out_dir: Path, args: argparse.Namespace
 ) -> float:
     from datasets import Dataset
     from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, losses
@@ -149,11 +203,6 @@ def bench_sentence_transformers(
 
     model = SentenceTransformer(str(model_dir), device="cpu")
     model.max_seq_length = args.max_length
-    rng = random.Random(1)
-    pairs = []
-    for t in texts[: args.batch * (args.steps + args.warmup + 1)]:
-        i = rng.randrange(len(t))
-        pairs.append({"anchor": t, "positive": t[:i] + t[i + 1 :]})
     stamps: list[float] = []
 
     class Clock(TrainerCallback):
@@ -173,6 +222,7 @@ def bench_sentence_transformers(
         dataloader_num_workers=0,
         seed=0,
         disable_tqdm=True,
+        bf16=args.bf16,
     )
     trainer = SentenceTransformerTrainer(
         model=model,
@@ -186,41 +236,75 @@ def bench_sentence_transformers(
     return args.batch * args.steps / (stamps[-1] - stamps[args.warmup - 1])
 
 
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=32, help="sentences per step (each encoded twice)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--max-length", type=int, default=48)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256, help="scratch model (without --model)")
+    p.add_argument("--layers", type=int, default=4, help="scratch model (without --model)")
+    p.add_argument("--model", type=Path, default=None, help="a model folder instead of the scratch BERT")
+    p.add_argument("--shards", type=Path, default=None, help="augmented shards instead of generated ones")
+    p.add_argument("--repeats", type=int, default=1, help="interleaved repetitions of both trainers")
+    p.add_argument("--no-bucketing", action="store_true", help="our trainer without length bucketing")
+    p.add_argument("--fused", action="store_true", help="our trainer with fused AdamW (optim.fused)")
+    p.add_argument("--bf16", action="store_true", help="both trainers under bf16 autocast")
     p.add_argument("--num-workers", type=int, default=1, help="our loader workers during training")
     p.add_argument("--loader-sentences", type=int, default=20000, help="sentences for the loader benchmark")
     p.add_argument("--skip", choices=["ours", "st", "loader"], action="append", default=[])
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    results: dict[str, float] = {"threads": torch.get_num_threads()}
+    results: dict[str, object] = {"threads": torch.get_num_threads()}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         needed = max(args.loader_sentences, args.batch * (args.steps + args.warmup + 2))
         texts = sample_sentences(needed, 8, 60)
-        write_sample_shards(tmp / "shards4", texts, k=4)
-        build_model_folder(tmp / "model", texts, args)
-        tokenizer = make_tokenizer(tmp / "vocab.txt")
+        shards = args.shards or tmp / "shards4"
+        if args.shards is None:
+            write_sample_shards(shards, texts, k=4)
+        if args.model is None:
+            build_model_folder(tmp / "model", texts, args)
+        model_dir = args.model or tmp / "model"
+        prefix = model_prefix(model_dir)
+        if args.model is None:
+            tokenizer = make_tokenizer(tmp / "vocab.txt")
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        pairs = st_pairs(shards, texts, args, prefix)
         if "loader" not in args.skip:
-            results["loader_samples_per_s_per_worker"] = bench_loader(tmp / "shards4", tokenizer, args)
-        if "ours" not in args.skip:
-            results["ours_sentences_per_s"] = bench_ours(tmp / "shards4", tmp / "model", tmp / "run", args)
-            results["ours_sequences_per_s"] = 2 * results["ours_sentences_per_s"]
-        if "st" not in args.skip:
-            results["st_sentences_per_s"] = bench_sentence_transformers(
-                tmp / "model", texts, tmp / "st", args
-            )
-            results["st_sequences_per_s"] = 2 * results["st_sentences_per_s"]
-        if "ours_sentences_per_s" in results and "st_sentences_per_s" in results:
-            results["ratio_ours_over_st"] = results["ours_sentences_per_s"] / results["st_sentences_per_s"]
-    print(json.dumps({"args": vars(args), **{k: round(v, 2) for k, v in results.items()}}, indent=2))
+            results["loader_samples_per_s_per_worker"] = bench_loader(shards, tokenizer, args, prefix)
+        ours, st, ours_padding = [], [], []
+        for r in range(args.repeats):
+            if "ours" not in args.skip:
+                rate, padding = bench_ours(shards, model_dir, tmp / f"run{r}", args)
+                ours.append(rate)
+                ours_padding.append(padding)
+            if "st" not in args.skip:
+                st.append(bench_sentence_transformers(model_dir, pairs, tmp / f"st{r}", args))
+        if ours:
+            results["ours_sentences_per_s"] = summary(ours)
+            results["ours_padded_over_real_tokens"] = statistics.median(ours_padding)
+        if st:
+            results["st_sentences_per_s"] = summary(st)
+            results["st_padded_over_real_tokens"] = st_padding(pairs, tokenizer, args)
+        if ours and st:
+            ratios = [a / b for a, b in zip(ours, st)]
+            results["ratio_ours_over_st"] = {"of_medians": statistics.median(ours) / statistics.median(st)}
+            results["ratio_ours_over_st"].update(summary(ratios))
+
+    def rounded(v: object) -> object:
+        return {k: round(x, 3) for k, x in v.items()} if isinstance(v, dict) else round(v, 3)
+
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    print(json.dumps({"args": settings, **{k: rounded(v) for k, v in results.items()}}, indent=2))
 
 
 if __name__ == "__main__":
