@@ -314,6 +314,9 @@ def test_trainer_checks_the_teacher(tmp_path, taught, shards, teacher_dir):
         batches_carry_teacher(cfg)
     assert batches_carry_teacher(debug_config(tmp_path, taught, **{"objective.distill_weight": 1.0}))
     assert not batches_carry_teacher(debug_config(tmp_path, taught))
+    wide = {"data.teacher": "tiny-teacher", "objective.distill_weight": 1.0, "objective.teacher_dim": 384}
+    with pytest.raises(ConfigError, match="teacher_dim=384 but .* has 24 dimensions"):
+        batches_carry_teacher(debug_config(tmp_path, taught, **wide))
     with pytest.raises(ConfigError, match="pair file"):
         debug_config(tmp_path, taught, **{"data.teacher": "x", "objective.name": "cosent",
                                           "objective.queue_size": 0, "objective.momentum": 0.0,

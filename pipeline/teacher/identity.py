@@ -107,6 +107,12 @@ def batches_carry_teacher(cfg: Any) -> bool:
 
     d = cfg.data
     recorded = check_shards(d.shards, d.teacher, d.num_hard_negatives)
+    width = cfg.objective.teacher_dim
+    if recorded is not None and width and width != recorded.get("dim"):
+        raise ConfigError(
+            f"objective.teacher_dim={width} but the teacher in {d.shards} has {recorded.get('dim')} "
+            f"dimensions; set --objective.teacher_dim {recorded.get('dim')} (or 0 if the student's width)"
+        )
     if d.teacher is not None:
         return True
     if needs_teacher(cfg):
