@@ -108,3 +108,30 @@ def test_missing_empty_and_unknown_format(tmp_path):
     latin.write_bytes("caf\xe9\tb\t1\n".encode("latin-1"))
     with pytest.raises(InputError, match="not UTF-8"):
         read_pairs(latin)
+
+
+def test_a_non_utf8_line_is_one_bad_record_not_the_whole_file(tmp_path, caplog):
+    path = tmp_path / "mixed.tsv"
+    path.write_bytes("好\t很好\t3\n".encode() + b"caf\xe9\tb\t1\n" + "坏\t不好\t0\n".encode())
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.pairs"):
+        pairs = read_pairs(path, strict=False)
+    assert [p.text_a for p in pairs] == ["好", "坏"]
+    assert "mixed.tsv:2: not UTF-8" in caplog.text
+    with pytest.raises(InputError, match="mixed.tsv:2: not UTF-8"):
+        read_pairs(path)
+
+
+def test_aliases_lists_of_positives_and_optional_labels(tmp_path):
+    rows = [{"query": "问", "pos": ["答一", "答二"]}, {"anchor": "甲", "positive": "乙", "score": 2}]
+    path = write(tmp_path / "p.jsonl", [json.dumps(r, ensure_ascii=False) for r in rows])
+    assert read_pairs(path, require_label=False) == [
+        Pair("问", "答一", None),
+        Pair("问", "答二", None),
+        Pair("甲", "乙", 2.0),
+    ]
+    with pytest.raises(InputError, match=r"p.jsonl:1: missing key\(s\) label \(or score\)"):
+        read_pairs(path)
+    tsv = write(tmp_path / "p.tsv", ["一\t二", "三\t四\t1"])
+    assert [p.label for p in read_pairs(tsv, require_label=False)] == [None, 1.0]
+    with pytest.raises(InputError, match=r"p.tsv:1: expected 3 tab-separated columns"):
+        read_pairs(tsv)
