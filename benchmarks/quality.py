@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 STS_SETS = ("ATEC", "BQ", "LCQMC", "PAWSX", "STS-B")
 DEFAULT_CONFIG = ROOT / "launch" / "configs" / "default.yaml"
+STUDENT_CONFIG = ROOT / "launch" / "configs" / "distill.yaml"
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ class Condition:
     name: str
     label: str
     overrides: tuple[str, ...] = ()
-    kind: str = "train"  # train | tfidf | untrained
+    kind: str = "train"  # train | tfidf | untrained | model (score --student or --teacher as it is)
+    config: Path = DEFAULT_CONFIG  # the base config the overrides apply to
     views: int = 0  # sequences encoded per sentence (0 = no training)
     momentum_forward: bool = False  # an extra key-encoder forward of view 0
     notes: dict[str, Any] = field(default_factory=dict)
@@ -99,6 +101,37 @@ def all_conditions() -> dict[str, Condition]:
     return {c.name: c for c in rows}
 
 
+def student(name: str, label: str, views: int, *overrides: str) -> Condition:
+    """A run from the student folder on teacher shards (``launch/configs/distill.yaml`` + overrides)."""
+    return Condition(name, label, tuple(overrides), views=views, config=STUDENT_CONFIG)
+
+
+def luse_views(k: int, d: int) -> tuple[str, ...]:
+    return (f"--data.num_variants={k}", f"--data.num_dropout_views={d}")
+
+
+def student_conditions() -> dict[str, Condition]:
+    """The distillation study (issue 15): a 4-layer cut of e5-small, the 12-layer teacher beside it."""
+    off = ("--objective.distill_weight=0",)
+    rows = [
+        Condition("tfidf", "char TF-IDF (no training)", kind="tfidf"),
+        Condition("init", "student init: e5-small layers 0,4,8,11, trimmed vocab", kind="model"),
+        Condition("teacher", "teacher: e5-small, 12 layers", kind="model"),
+        student("s_simcse", "unsup. SimCSE", 2, "--objective.name=simcse", "--objective.contrastive_weight=1",
+                *off),  # fmt: skip
+        student("s_luse", "LUSE k=2 EDA + 1 dropout view", 4, *luse_views(2, 1),
+                "--objective.contrastive_weight=1", *off),  # fmt: skip
+        student("s_distill", "embedding distillation (cosine) alone = main job", 1),
+        student("s_kl", "in-batch similarity KL alone", 1, *off, "--objective.kl_weight=1"),
+        student("s_distill_kl", "distillation + KL", 1, "--objective.kl_weight=1"),
+        student("s_luse_distill", "LUSE + distillation", 4, *luse_views(2, 1),
+                "--objective.contrastive_weight=1"),  # fmt: skip
+        student("s_luse_tpos", "LUSE + distillation + teacher as a positive", 4, *luse_views(2, 1),
+                "--objective.contrastive_weight=1", "--objective.teacher_positive=true"),  # fmt: skip
+    ]
+    return {c.name: c for c in rows}
+
+
 # ------------------------------------------------------------------------------------------- runs
 def run_dir(args: argparse.Namespace, cond: Condition, seed: int) -> Path:
     return args.out / f"{cond.name}_seed{seed}"
@@ -133,8 +166,9 @@ def train_command(
         sys.executable,
         str(ROOT / "launch" / "pretrain.py"),
         "--config",
-        str(DEFAULT_CONFIG),
+        str(cond.config),
         f"--data.shards={args.shards}",
+        *([f"--model.name_or_path={args.student}"] if cond.config == STUDENT_CONFIG else []),
         f"--run_dir={out}",
         "--resume=never",
         f"--train.seed={seed}",
@@ -188,6 +222,8 @@ def run_one(args: argparse.Namespace, cond: Condition, seed: int) -> dict[str, f
                 command = train_command(args, cond, seed, out, args.steps)
                 subprocess.run(command, check=True, cwd=ROOT, stdout=log, stderr=log, env=quiet_env())
                 model = out / "model"
+            elif cond.kind == "model":
+                model = args.student if cond.name == "init" else args.teacher
             else:
                 model = save_untrained(args, seed, out)
             trained = time.time()
@@ -388,8 +424,10 @@ def draw_plots(args: argparse.Namespace, conditions: dict[str, Condition]) -> No
         fig.tight_layout()
         fig.savefig(args.plots / "quality_curve.png", dpi=110)
         plt.close(fig)
-    before = args.out / f"untrained_seed{args.seeds[0]}" / "model"
-    after = args.after or run_dir(args, conditions["default"], args.seeds[0]) / "model"
+    student_study = "default" not in conditions
+    before = args.student if student_study else args.out / f"untrained_seed{args.seeds[0]}" / "model"
+    main_row = conditions["s_distill" if student_study else "default"]
+    after = args.after or run_dir(args, main_row, args.seeds[0]) / "model"
     if before.is_dir() and after.is_dir():
         from pipeline.evaluate.plots import plot_similarity
         from pipeline.evaluate.report import Config as ReportConfig
@@ -442,9 +480,17 @@ def main() -> None:
         default=None,
         help="trained model for the cosine-after plot (default: default_seed1)",
     )
+    p.add_argument(
+        "--study", choices=("scratch", "student"), default="scratch",
+        help="scratch: objectives from a random small BERT (issue 7); student: distillation of a cut of "
+        "e5-small on teacher shards (issue 15; needs --student and --teacher)",
+    )  # fmt: skip
+    p.add_argument("--student", type=Path, default=Path("runs/sample/student"), help="student folder")
+    p.add_argument("--teacher", type=Path, default=Path("models/e5-small"), help="teacher folder")
     args = p.parse_args()
+    args.student, args.teacher = args.student.resolve(), args.teacher.resolve()
     args.shards, args.out = args.shards.resolve(), args.out.resolve()
-    conditions = all_conditions()
+    conditions = student_conditions() if args.study == "student" else all_conditions()
     if args.list:
         for c in conditions.values():
             print(f"{c.name:18s} {c.label}  {' '.join(c.overrides)}")
@@ -463,7 +509,11 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown condition(s) {unknown}; --list shows them")
 
-    cells = [(conditions[n], s) for s in args.seeds for n in names]  # seed-major: partial grids compare
+    # seed-major: partial grids compare; rows without training are scored once
+    cells = [
+        (conditions[n], s) for s in args.seeds for n in names
+        if conditions[n].kind in ("train", "untrained") or s == args.seeds[0]
+    ]  # fmt: skip
     results: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = [(cond, seed, pool.submit(run_one, args, cond, seed)) for cond, seed in cells]

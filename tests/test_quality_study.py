@@ -64,3 +64,23 @@ def test_table_reports_mean_and_std_over_seeds(quality, tmp_path):
     line = text.splitlines()[-1]
     assert "31.00 ± 1.41" in line and "2.00 ± 1.41" in line and "50/100" in line and "32 × 6" in line
     assert quality.mean_std([float("nan")]) == "–"
+
+
+def test_student_study_rows_are_valid_configs_at_equal_compute(quality, tmp_path):
+    """Every distillation-study run parses as a training config whose views match its row's count."""
+    from pipeline.cli import parse_cli
+    from pipeline.config import load_config
+    from pipeline.train.config import Config
+
+    args = _args(tmp_path, sequences=96, student=tmp_path / "student")
+    trained = [c for c in quality.student_conditions().values() if c.kind == "train"]
+    assert {"s_luse", "s_distill", "s_luse_distill"} <= {c.name for c in trained}
+    for cond in trained:
+        command = quality.train_command(args, cond, seed=1, out=tmp_path / cond.name, steps=100)
+        assert _option(command, "model.name_or_path") == str(args.student)
+        yaml_path, overrides = parse_cli(Config, command[2:])
+        cfg = load_config(Config, yaml_path, overrides)
+        assert cfg.num_views() == cond.views, cond.name
+        assert cfg.num_views() * cfg.train.global_batch_size == 96, cond.name
+    main_job = quality.student_conditions()["s_distill"]
+    assert main_job.overrides == () and main_job.config == quality.STUDENT_CONFIG
