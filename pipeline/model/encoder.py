@@ -48,6 +48,17 @@ def pool(hidden_states: Sequence[torch.Tensor], attention_mask: torch.Tensor, po
     raise ValueError(f"unknown pooling {pooling!r}; choose one of {POOLINGS}")
 
 
+def _has_pooler_weights(folder: Path) -> bool:
+    """Whether a local folder's safetensors weights hold a ``pooler.`` layer (read from the header only)."""
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        return False
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as f:
+        return any(key.startswith("pooler.") for key in f.keys())
+
+
 class SentenceEncoder(nn.Module):
     """Maps token ids to L2-normalised sentence embeddings of shape (B, H).
 
@@ -178,10 +189,17 @@ class SentenceEncoder(nn.Module):
                     f"modules.json); {POOLING_HELP}"
                 )
             tokenizer = AutoTokenizer.from_pretrained(source, **where)
-            try:
-                backbone = AutoModel.from_pretrained(source, add_pooling_layer=False, **where, **kwargs)
-            except TypeError:  # architectures without a pooler do not take the argument
+            if _has_pooler_weights(Path(source)):
+                # Exports and fetched models carry an (identity) pooler so that other loaders see no
+                # missing weights; load it as saved, then drop it (unused, and DDP fails on parameters
+                # that get no gradient) instead of reporting its weights as unexpected.
                 backbone = AutoModel.from_pretrained(source, **where, **kwargs)
+                backbone.pooler = None
+            else:
+                try:
+                    backbone = AutoModel.from_pretrained(source, add_pooling_layer=False, **where, **kwargs)
+                except TypeError:  # architectures without a pooler do not take the argument
+                    backbone = AutoModel.from_pretrained(source, **where, **kwargs)
         except OSError as exc:
             raise InputError(f"cannot load model {name_or_dir!r}: {exc}".splitlines()[0]) from None
         return cls(
