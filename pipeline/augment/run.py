@@ -11,12 +11,7 @@ exists, by whichever task finishes last (or by ``--finalize-only``).
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import json
 import logging
-import multiprocessing as mp
-import queue
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +26,17 @@ from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_json, sha256_file
 from pipeline.resources import CILIN
 from pipeline.shards import MANIFEST, read_manifest, read_shard, verify_shard, write_shard
+from pipeline.stages import (
+    already_done,
+    claim_out_dir,
+    finished_records,
+    own_shards,
+    process_shards,
+    read_record,
+    record_path,
+    remove_stale_temps,
+    shard_index,
+)
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +168,7 @@ def build_augmenter(cfg: Config) -> Augmenter:
 _worker: dict[str, Any] = {}  # this process's augmenter and progress queue (set by _init_worker)
 
 
-def _init_worker(cfg: Config, progress: Any) -> None:
+def _init_worker(cfg: Config, progress: Any) -> None:  # initargs (cfg,) + the progress queue
     _worker["augmenter"] = build_augmenter(cfg)
     _worker["progress"] = progress
 
@@ -222,8 +228,7 @@ def augment_block(block: pa.Table, augmenter: Augmenter, counts: dict[str, Any])
 def augment_shard(job: ShardJob, augmenter: Augmenter, report: Any = None) -> dict[str, Any]:
     """Verify one input shard, write its augmented copy, then its completion record; return the record."""
     in_path = verify_shard(job.in_dir, job.entry)
-    for stale in job.out_dir.glob(f".{job.entry['name']}.tmp-*"):  # left by a killed run of this shard
-        stale.unlink(missing_ok=True)
+    remove_stale_temps(job.out_dir, job.entry["name"])
     counts = empty_counts()
 
     def blocks():
@@ -244,31 +249,11 @@ def augment_shard(job: ShardJob, augmenter: Augmenter, report: Any = None) -> di
     entry = write_shard(job.out_dir / job.entry["name"], blocks(), job.shard_index)
     record = {"entry": entry, "counts": counts}
     # Written after the shard: a record means its shard is complete (a shard without one is redone).
-    atomic_write_json(_record_path(job.out_dir, job.entry["name"]), record)
+    atomic_write_json(record_path(job.out_dir / WORK_DIR, job.entry["name"]), record)
     return record
 
 
 # --------------------------------------------------------------------------------------------- driver
-def _record_path(out_dir: Path, shard_name: str) -> Path:
-    return out_dir / WORK_DIR / (Path(shard_name).stem + ".json")
-
-
-def _read_record(out_dir: Path, shard_name: str) -> dict[str, Any] | None:
-    try:
-        record = json.loads(_record_path(out_dir, shard_name).read_text(encoding="utf-8"))
-    except FileNotFoundError:  # not done yet, or another task finalized and removed the work dir
-        return None
-    shard = out_dir / shard_name
-    if not shard.is_file() or shard.stat().st_size != record["entry"]["bytes"]:
-        return None  # the shard was removed or replaced after the record: redo it
-    return record
-
-
-def _shard_index(name: str, position: int) -> int:
-    match = re.fullmatch(r"shard-(\d+)\.tar", name)
-    return int(match.group(1)) if match else position
-
-
 def recorded_config(cfg: Config) -> dict[str, Any]:
     return {k: v for k, v in to_dict(cfg).items() if k not in EXECUTION_FIELDS}
 
@@ -294,78 +279,24 @@ def _check_paths(cfg: Config) -> None:
         raise ConfigError("out must differ from shards: augment never writes over its input")
 
 
-def _claim_out_dir(cfg: Config, fingerprint: dict[str, Any]) -> None:
-    """Refuse to mix two different runs in one output directory."""
-    work = cfg.out / WORK_DIR
-    work.mkdir(parents=True, exist_ok=True)
-    run_file = work / "run.json"
-    if run_file.is_file():
-        previous = json.loads(run_file.read_text(encoding="utf-8"))
-        if previous != fingerprint:
-            raise InputError(
-                f"{cfg.out} holds an unfinished augment run with a different config or input "
-                f"({run_file}); use another --out or delete that directory"
-            )
-    else:
-        atomic_write_json(run_file, fingerprint)
-
-
 def _process(cfg: Config, jobs: list[ShardJob]) -> None:
-    from tqdm import tqdm
+    def run_here(jobs: list[ShardJob], report: Any) -> None:
+        augmenter = build_augmenter(cfg)
+        for job in jobs:
+            augment_shard(job, augmenter, report)
 
     total = sum(job.entry["sentences"] for job in jobs)
-    bar = tqdm(total=total, unit="sent", unit_scale=True, disable=not cfg.progress, desc="augment")
-    try:
-        if cfg.workers == 1 or len(jobs) == 1:
-            augmenter = build_augmenter(cfg)
-            for job in jobs:
-                augment_shard(job, augmenter, bar.update)
-            return
-        ctx = mp.get_context("spawn")  # no fork of a process that may hold threads (tqdm, pyarrow)
-        progress = ctx.Queue()
-        pool = cf.ProcessPoolExecutor(
-            min(cfg.workers, len(jobs)), mp_context=ctx, initializer=_init_worker, initargs=(cfg, progress)
-        )
-        try:
-            pending = {pool.submit(_run_in_worker, job) for job in jobs}
-            while pending:
-                done, pending = cf.wait(pending, timeout=0.2, return_when=cf.FIRST_COMPLETED)
-                _drain(progress, bar)
-                for future in done:
-                    future.result()  # re-raises a worker's InputError naming the shard
-            _drain(progress, bar)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)  # on an error, do not start the queued shards
-    finally:
-        bar.close()
-
-
-def _drain(progress: Any, bar: Any) -> None:
-    while True:
-        try:
-            bar.update(progress.get_nowait())
-        except queue.Empty:
-            return
+    process_shards(
+        jobs, cfg.workers, total, "augment", cfg.progress, run_here, _init_worker, (cfg,), _run_in_worker
+    )
 
 
 def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, Any]) -> bool:
     """Write manifest.json if every shard has its record; return whether it did."""
-    records = [_read_record(cfg.out, e["name"]) for e in in_manifest["shards"]]
-    missing = [e["name"] for e, r in zip(in_manifest["shards"], records) if r is None]
-    if missing:
-        if (cfg.out / MANIFEST).is_file():  # another array task finalized while we looked
-            return True
-        if cfg.finalize_only:
-            raise InputError(
-                f"{len(missing)} shard(s) of {cfg.out} are not finished (first: {missing[0]}); "
-                "run the augment tasks that own them first"
-            )
-        log.info(
-            "%d of %d shards done; the task that finishes last writes the manifest",
-            len(records) - len(missing),
-            len(records),
-        )
-        return False
+    names = [e["name"] for e in in_manifest["shards"]]
+    records = finished_records(cfg.out, cfg.out / WORK_DIR, cfg.out, names, cfg.finalize_only, "augment")
+    if records is None:
+        return (cfg.out / MANIFEST).is_file()
     counts = empty_counts()
     for record in records:
         add_counts(counts, record["counts"])
@@ -398,22 +329,18 @@ def run(cfg: Config) -> int:
         )
     _check_paths(cfg)
     fingerprint = run_fingerprint(cfg, sha256_file(cfg.shards / MANIFEST))
-    out_manifest = cfg.out / MANIFEST
-    if out_manifest.is_file():
-        existing = read_manifest(cfg.out)
-        if {k: existing.get(k) for k in fingerprint} == fingerprint:
-            log.info("%s is already complete; nothing to do", cfg.out)
-            return 0
-        raise InputError(f"{out_manifest} exists from a different config or input; use another --out")
-    _claim_out_dir(cfg, fingerprint)
+    if already_done(cfg.out, fingerprint, "config or input"):
+        return 0
+    claim_out_dir(cfg.out, WORK_DIR, fingerprint, "augment", "config or input")
     if not cfg.finalize_only:
+        entries = in_manifest["shards"]
+        mine = own_shards(entries, cfg.task_index, cfg.num_tasks)
         jobs = [
-            ShardJob(cfg.shards, entry, cfg.out, _shard_index(entry["name"], i))
-            for i, entry in enumerate(in_manifest["shards"])
-            if i % cfg.num_tasks == cfg.task_index and _read_record(cfg.out, entry["name"]) is None
+            ShardJob(cfg.shards, entries[i], cfg.out, shard_index(entries[i]["name"], i))
+            for i in mine
+            if read_record(cfg.out / WORK_DIR, cfg.out, entries[i]["name"]) is None
         ]
-        mine = sum(1 for i in range(len(in_manifest["shards"])) if i % cfg.num_tasks == cfg.task_index)
-        log.info("task %d/%d: %d shard(s), %d to do", cfg.task_index, cfg.num_tasks, mine, len(jobs))
+        log.info("task %d/%d: %d shard(s), %d to do", cfg.task_index, cfg.num_tasks, len(mine), len(jobs))
         if jobs:
             _process(cfg, jobs)
     finalize(cfg, in_manifest, fingerprint)

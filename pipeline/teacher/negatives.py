@@ -27,6 +27,7 @@ import pyarrow as pa
 from pipeline.io import atomic_write_json
 from pipeline.search.mine import normalize_text
 from pipeline.shards import read_shard, write_shard
+from pipeline.stages import read_record, record_path, shard_index
 from pipeline.teacher.vectors import teacher_matrix
 
 log = logging.getLogger(__name__)
@@ -166,8 +167,6 @@ def mine_shards(
     """
     from tqdm import tqdm
 
-    from pipeline.teacher.run import _shard_index, read_record, record_path
-
     pool = load_pool(shard_dir, entries)
     log.info("mining %d hard negatives per sentence among %d sentences (%s index, depth %d)",
              params.k, len(pool.texts), params.index_type, params.depth)  # fmt: skip
@@ -184,7 +183,7 @@ def mine_shards(
             counts = Counter({key: 0 for key in COUNT_KEYS})
             negatives = mine_rows(index, pool, lo, hi, params, counts)
             blocks = _with_negatives(read_shard(shard_dir / name), negatives, pool)
-            record = {"entry": write_shard(out_dir / name, blocks, _shard_index(name, position)),
+            record = {"entry": write_shard(out_dir / name, blocks, shard_index(name, position)),
                       "counts": dict(counts)}  # fmt: skip
             atomic_write_json(record_path(work_dir, name), record)
         out_entries.append(record["entry"])

@@ -18,13 +18,9 @@ the latest checkpoint's ``model/`` folder (any checkpoint or run directory also 
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import json
 import logging
 import multiprocessing as mp
 import os
-import queue
-import re
 import shutil
 import time
 from contextlib import nullcontext
@@ -39,6 +35,17 @@ from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_json, sha256_file
 from pipeline.shards import MANIFEST, new_manifest, read_manifest, read_shard, verify_shard, write_shard
+from pipeline.stages import (
+    already_done,
+    claim_out_dir,
+    finished_records,
+    own_shards,
+    process_shards,
+    read_record,
+    record_path,
+    remove_stale_temps,
+    shard_index,
+)
 from pipeline.teacher.identity import model_hash
 from pipeline.teacher.vectors import vector_column
 
@@ -189,8 +196,7 @@ class ShardJob:
 def encode_shard(job: ShardJob, encoder: Any, cfg: Config, precision: Precision, report: Any = None) -> dict:
     """Verify one input shard, write its copy with the teacher column(s), then its completion record."""
     in_path = verify_shard(job.in_dir, job.entry)
-    for stale in job.out_dir.glob(f".{job.entry['name']}.tmp-*"):  # left by a killed run of this shard
-        stale.unlink(missing_ok=True)
+    remove_stale_temps(job.out_dir, job.entry["name"])
     blocks = list(read_shard(in_path))  # whole shard: the length sort spans its blocks
     for block in blocks:
         if "text" not in block.column_names:
@@ -239,7 +245,7 @@ def encode_shard(job: ShardJob, encoder: Any, cfg: Config, precision: Precision,
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(cfg: Config, device: str, progress: Any, threads: int) -> None:
+def _init_worker(cfg: Config, device: str, threads: int, progress: Any) -> None:
     import torch
 
     torch.set_num_threads(threads)  # the workers share the node's cores
@@ -256,65 +262,19 @@ def _run_in_worker(job: ShardJob) -> dict[str, Any]:
 
 
 def _process(cfg: Config, jobs: list[ShardJob], device: str, encoder: Any) -> None:
-    from tqdm import tqdm
+    def run_here(jobs: list[ShardJob], report: Any) -> None:
+        for job in jobs:
+            encode_shard(job, encoder, cfg, precision_for(device, cfg.bf16), report)
 
     total = sum(job.entry["sentences"] for job in jobs)
-    bar = tqdm(total=total, unit="sent", unit_scale=True, disable=not cfg.progress, desc="teacher")
-    try:
-        if cfg.workers == 1 or len(jobs) == 1:
-            for job in jobs:
-                encode_shard(job, encoder, cfg, precision_for(device, cfg.bf16), bar.update)
-            return
-        ctx = mp.get_context("spawn")
-        progress = ctx.Queue()
-        workers = min(cfg.workers, len(jobs))
-        threads = max(1, (os.cpu_count() or 1) // workers)
-        pool = cf.ProcessPoolExecutor(
-            workers, mp_context=ctx, initializer=_init_worker, initargs=(cfg, device, progress, threads)
-        )
-        try:
-            pending = {pool.submit(_run_in_worker, job) for job in jobs}
-            while pending:
-                done, pending = cf.wait(pending, timeout=0.2, return_when=cf.FIRST_COMPLETED)
-                _drain(progress, bar)
-                for future in done:
-                    future.result()  # re-raises a worker's InputError naming the shard
-            _drain(progress, bar)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-    finally:
-        bar.close()
-
-
-def _drain(progress: Any, bar: Any) -> None:
-    while True:
-        try:
-            bar.update(progress.get_nowait())
-        except queue.Empty:
-            return
+    threads = max(1, (os.cpu_count() or 1) // min(cfg.workers, len(jobs)))  # the workers share the cores
+    initargs = (cfg, device, threads)
+    process_shards(
+        jobs, cfg.workers, total, "teacher", cfg.progress, run_here, _init_worker, initargs, _run_in_worker
+    )
 
 
 # --------------------------------------------------------------------------------------------- driver
-def record_path(record_dir: Path, shard_name: str) -> Path:
-    return record_dir / (Path(shard_name).stem + ".json")
-
-
-def read_record(record_dir: Path, shard_dir: Path, shard_name: str) -> dict[str, Any] | None:
-    try:
-        record = json.loads(record_path(record_dir, shard_name).read_text(encoding="utf-8"))
-    except FileNotFoundError:  # not done yet, or another task finalized and removed the work dir
-        return None
-    shard = shard_dir / shard_name
-    if not shard.is_file() or shard.stat().st_size != record["entry"]["bytes"]:
-        return None  # removed or replaced after its record: redo it
-    return record
-
-
-def _shard_index(name: str, position: int) -> int:
-    match = re.fullmatch(r"shard-(\d+)\.tar", name)
-    return int(match.group(1)) if match else position
-
-
 def layout(cfg: Config) -> tuple[Path, Path]:
     """(where encoded shards go, where their records go): OUT itself, or the work dir before mining."""
     work = cfg.out / WORK_DIR
@@ -327,38 +287,13 @@ def run_fingerprint(cfg: Config, in_manifest_sha: str, teacher: dict[str, Any]) 
     return {"config": config, "input_manifest_sha256": in_manifest_sha, "teacher": teacher}
 
 
-def _claim_out_dir(cfg: Config, fingerprint: dict[str, Any]) -> None:
-    """Refuse to mix two different runs (or a CPU and a GPU task) in one output directory."""
-    work = cfg.out / WORK_DIR
-    work.mkdir(parents=True, exist_ok=True)
-    run_file = work / "run.json"
-    if run_file.is_file():
-        if json.loads(run_file.read_text(encoding="utf-8")) != fingerprint:
-            raise InputError(
-                f"{cfg.out} holds an unfinished teacher run with a different config, input or teacher "
-                f"({run_file}); use another --out or delete that directory"
-            )
-    else:
-        atomic_write_json(run_file, fingerprint)
-
-
 def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, Any]) -> bool:
     """Mine (if asked) and write manifest.json once every shard is encoded; return whether it did."""
     shard_dir, record_dir = layout(cfg)
     names = [e["name"] for e in in_manifest["shards"]]
-    records = [read_record(record_dir, shard_dir, n) for n in names]
-    missing = [n for n, r in zip(names, records) if r is None]
-    if missing:
-        if (cfg.out / MANIFEST).is_file():  # another array task finalized while we looked
-            return True
-        if cfg.finalize_only:
-            raise InputError(
-                f"{len(missing)} shard(s) of {cfg.out} are not encoded (first: {missing[0]}); "
-                "run the teacher tasks that own them first"
-            )
-        log.info("%d of %d shards encoded; the task that finishes last finalizes", len(names) - len(missing),
-                 len(names))  # fmt: skip
-        return False
+    records = finished_records(cfg.out, record_dir, shard_dir, names, cfg.finalize_only, "teacher")
+    if records is None:
+        return (cfg.out / MANIFEST).is_file()
     counts = {"sentences": 0, "variants_encoded": 0}
     for r in records:
         for key in counts:
@@ -405,24 +340,19 @@ def run(cfg: Config) -> int:
     fingerprint = run_fingerprint(
         cfg, sha256_file(cfg.shards / MANIFEST), teacher_record(cfg, encoder, precision)
     )
-    if (cfg.out / MANIFEST).is_file():
-        existing = read_manifest(cfg.out)
-        if {k: existing.get(k) for k in fingerprint} == fingerprint:
-            log.info("%s is already complete; nothing to do", cfg.out)
-            return 0
-        raise InputError(
-            f"{cfg.out / MANIFEST} exists from a different config, input or teacher; use another --out"
-        )
-    _claim_out_dir(cfg, fingerprint)
+    if already_done(cfg.out, fingerprint, "config, input or teacher"):
+        return 0
+    claim_out_dir(cfg.out, WORK_DIR, fingerprint, "teacher", "config, input or teacher")
     shard_dir, record_dir = layout(cfg)
     shard_dir.mkdir(parents=True, exist_ok=True)
     record_dir.mkdir(parents=True, exist_ok=True)
     if not cfg.finalize_only:
-        mine = [(i, e) for i, e in enumerate(in_manifest["shards"]) if i % cfg.num_tasks == cfg.task_index]
+        entries = in_manifest["shards"]
+        mine = own_shards(entries, cfg.task_index, cfg.num_tasks)
         jobs = [
-            ShardJob(cfg.shards, e, shard_dir, record_dir, _shard_index(e["name"], i))
-            for i, e in mine
-            if read_record(record_dir, shard_dir, e["name"]) is None
+            ShardJob(cfg.shards, entries[i], shard_dir, record_dir, shard_index(entries[i]["name"], i))
+            for i in mine
+            if read_record(record_dir, shard_dir, entries[i]["name"]) is None
         ]
         log.info("task %d/%d: %d shard(s), %d to do", cfg.task_index, cfg.num_tasks, len(mine), len(jobs))
         if jobs:
