@@ -6,21 +6,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _tensors import unit
 
 from pipeline.errors import ConfigError, InputError
 from pipeline.losses import LossInputs, distill, get_objective, multi_positive
 from pipeline.train.config import ObjectiveConfig
 
 TAU = 0.05
-
-
-def unit(*shape, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return F.normalize(torch.randn(*shape, generator=g, dtype=torch.float64), dim=-1)
-
-
-def leaf(x):
-    return x.clone().requires_grad_(True)
 
 
 # ------------------------------------------------------------------------------------ the formulas

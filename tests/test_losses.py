@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _tensors import leaf, unit
 
 from pipeline.errors import ConfigError
 from pipeline.losses import (
@@ -19,15 +20,6 @@ from pipeline.losses import (
 )
 
 TAU = 0.05
-
-
-def unit(*shape, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return F.normalize(torch.randn(*shape, generator=g, dtype=torch.float64), dim=-1)
-
-
-def leaf(x):
-    return x.clone().requires_grad_(True)
 
 
 # ------------------------------------------------------------------------------- literal references

@@ -13,6 +13,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from _tiny_models import xlmr_fast_tokenizer
 from _train_data import make_shards, sample_sentences
 
 from pipeline.cli import main
@@ -24,8 +25,7 @@ PREFIX = "query: "
 
 
 def build_xlmr_tokenizer(texts: list[str]):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
     backend = Tokenizer(models.Unigram())
@@ -33,20 +33,7 @@ def build_xlmr_tokenizer(texts: list[str]):
     backend.decoder = decoders.Metaspace()
     trainer = trainers.UnigramTrainer(vocab_size=4000, special_tokens=specials, unk_token="<unk>")
     backend.train_from_iterator(texts + [PREFIX * 3, "hello world 123"], trainer)
-    backend.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token="<s>",
-        eos_token="</s>",
-        cls_token="<s>",
-        sep_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-        mask_token="<mask>",
-        model_input_names=["input_ids", "attention_mask"],
-    )
+    tokenizer = xlmr_fast_tokenizer(backend, model_input_names=["input_ids", "attention_mask"])
     assert [tokenizer.convert_tokens_to_ids(t) for t in specials[:4]] == [0, 1, 2, 3]
     return tokenizer
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _tiny_models import build_char_encoder
 
 from pipeline.cli import main
 from pipeline.errors import InputError
@@ -38,28 +39,7 @@ def corpus_lines(n: int, skip: int = 0) -> list[str]:
 
 
 def build_tiny_model(directory: Path, hidden_size: int = 32, seed: int = 0) -> Path:
-    from pipeline.model import (
-        SentenceEncoder,
-        build_char_vocab,
-        build_scratch_backbone,
-        make_tokenizer,
-        write_vocab,
-    )
-
-    directory.mkdir(parents=True, exist_ok=True)
-    vocab = build_char_vocab(corpus_lines(3000))
-    write_vocab(vocab, directory / "vocab.txt")
-    model_config = dict(
-        hidden_size=hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    backbone = build_scratch_backbone(model_config, len(vocab), seed)
-    tokenizer = make_tokenizer(directory / "vocab.txt")
-    SentenceEncoder(backbone, tokenizer, pooling="mean", max_length=48).save_pretrained(directory)
-    return directory
+    return build_char_encoder(directory, corpus_lines(3000), hidden_size, 64, 64, seed, max_length=48)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _tiny_models import xlmr_fast_tokenizer
 
 from pipeline.cli import main
 from pipeline.errors import ConfigError, InputError
@@ -83,9 +84,8 @@ def wordpiece_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def unigram_model(tmp_path_factory) -> Path:
-    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers
     from tokenizers.models import Unigram
-    from transformers import PreTrainedTokenizerFast
 
     folder = tmp_path_factory.mktemp("uni")
     chars = sorted({c for t in CORPUS + COVERED for c in t if not c.isspace()} | set(":q*"))
@@ -99,19 +99,7 @@ def unigram_model(tmp_path_factory) -> Path:
     backend = Tokenizer(Unigram(vocab, unk_id=3, byte_fallback=False))
     backend.normalizer = normalizers.NFKC()
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-    backend.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token="<s>",
-        eos_token="</s>",
-        sep_token="</s>",
-        cls_token="<s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-        mask_token="<mask>",
-    )
+    tokenizer = xlmr_fast_tokenizer(backend)
     return _save(folder, tokenizer, pad=1)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from _tiny_models import build_char_encoder
 from _train_data import debug_config
 
 from pipeline.errors import ConfigError, InputError
@@ -29,23 +30,8 @@ MINE = dict(variants=True, hard_negatives=3, hn_depth=200, hn_max_similarity=0.9
 
 
 def build_teacher(directory: Path, hidden_size: int = 24, seed: int = 0) -> Path:
-    from pipeline.model import (
-        SentenceEncoder,
-        build_char_vocab,
-        build_scratch_backbone,
-        make_tokenizer,
-        write_vocab,
-    )
-
-    directory.mkdir(parents=True, exist_ok=True)
-    vocab = build_char_vocab(sample_sentences(3000) + [PREFIX])
-    write_vocab(vocab, directory / "vocab.txt")
-    config = dict(hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=2,
-                  intermediate_size=48, max_position_embeddings=96)  # fmt: skip
-    backbone = build_scratch_backbone(config, len(vocab), seed)
-    tokenizer = make_tokenizer(directory / "vocab.txt")
-    SentenceEncoder(backbone, tokenizer, "mean", 64, PREFIX).save_pretrained(directory)
-    return directory
+    texts = sample_sentences(3000) + [PREFIX]
+    return build_char_encoder(directory, texts, hidden_size, 48, 96, seed, max_length=64, prefix=PREFIX)
 
 
 @pytest.fixture(scope="module")
