@@ -1,6 +1,6 @@
 """Reliability table: faults injected for real on this machine, each row with its counts.
 
-    .venv/bin/python benchmarks/faults.py [--quick] [--workdir DIR]
+    .venv/bin/python benchmarks/faults.py [--quick] [--workdir DIR] [--rows NAME ...]
 
 Rows (each prints PASS only if every run of it met the claim):
 
@@ -17,8 +17,13 @@ Rows (each prints PASS only if every run of it met the claim):
 * a gzip input cut in half: counted as one unreadable file, named in the log, and every sentence of its
   readable lines kept (compared with preprocessing those lines from a plain file).
 
-Not run here (see docs/BENCHMARKS.md): kill -9 of a 2-process ``accelerate launch`` with auto-resume
-(tests/test_resume.py covers one kill), augment killed and rerun.
+* augment (2 workers) killed the same way at a random time, then rerun: manifest.json and every
+  shard's sha256 must equal a clean run's.
+* a 2-process ``accelerate launch`` (gloo, debug.yaml, tiny shards made by preprocess + augment) killed
+  with kill -9 of its process group and every rank at two random steps per run, relaunched each time
+  (auto-resume from the newest checkpoint): the final parameters (every rank's checksum and the saved
+  model file), momentum queue, data cursor and every logged loss must be bit-identical to an
+  uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ import json
 import logging
 import os
 import random
+import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,14 +45,16 @@ import time
 import zlib
 from pathlib import Path
 
+import psutil
 import pyarrow as pa
 
 from pipeline.data.pairs import read_pairs
 from pipeline.errors import InputError
-from pipeline.io import atomic_write_json
+from pipeline.io import atomic_write_json, sha256_file
 from pipeline.resources import SAMPLE_CORPUS, sample_sentences
 from pipeline.shards import (
     BASE_SCHEMA,
+    MANIFEST,
     new_manifest,
     read_manifest,
     sentence_id,
@@ -234,6 +243,200 @@ def truncated_gzip(work: Path) -> None:
     )
 
 
+# ----------------------------------------------------------------------------------- augment
+def augment_cmd(shards: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "pipeline", "augment", f"--shards={shards}", f"--out={out}", "--workers=2",
+        "--progress=false", *extra,
+    ]  # fmt: skip
+
+
+def stage_output(out: Path) -> tuple:
+    """The manifest's sha256 and every shard's name, size and sha256 (what a kill must not change)."""
+    shards = [(s["name"], s["bytes"], s["sha256"]) for s in read_manifest(out)["shards"]]
+    return sha256_file(out / MANIFEST), shards
+
+
+def augment_kills(work: Path, runs: int, rng: random.Random) -> None:
+    pp = work / "pp-clean"
+    if not (pp / MANIFEST).is_file():
+        subprocess.run(preprocess_cmd([SAMPLE_CORPUS], pp), check=True, capture_output=True)
+    clean = work / "aug-clean"
+    started = time.perf_counter()
+    subprocess.run(augment_cmd(pp, clean), check=True, capture_output=True)
+    took = time.perf_counter() - started
+    expected, same, landed, partial = stage_output(clean), 0, 0, 0
+    for run in range(runs):
+        out = work / f"aug-killed-{run}"
+        child = subprocess.Popen(
+            augment_cmd(pp, out), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )  # its own process group: the kill reaches the spawned workers too
+        time.sleep(rng.uniform(0.3, 0.8) * took)  # a clean run took `took` s, about 3 s of it imports
+        if child.poll() is None:
+            landed += 1
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        done = len(list((out / ".augment-work").glob("shard-*.json")))
+        partial += done
+        print(f"      augment run {run}: killed with {done} shard(s) recorded done")
+        subprocess.run(augment_cmd(pp, out), check=True, capture_output=True)
+        same += stage_output(out) == expected
+    row(
+        "augment (2 workers) killed with kill -9 of its process group, rerun",
+        f"{runs} runs ({landed} kills before the end, {partial} finished shards kept over all kills), "
+        f"{same}/{runs} with manifest and shards (sha256) identical to a clean run",
+        same == runs and landed == runs,
+    )
+
+
+# ----------------------------------------------------------------------------------- training
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_STEPS = 24  # checkpoints every 2 steps; a step of the debug model takes about 0.1 s here
+
+
+def training_shards(work: Path) -> Path:
+    """Tiny augmented shards made by the real stages from 600 corpus lines (2 variants, as debug.yaml)."""
+    corpus = work / "train-corpus.txt"
+    lines = SAMPLE_CORPUS.read_text(encoding="utf-8").splitlines()[:600]
+    corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    subprocess.run(preprocess_cmd([corpus], work / "train-pp"), check=True, capture_output=True)
+    out = work / "train-aug"
+    subprocess.run(augment_cmd(work / "train-pp", out, "--num_variants=2"), check=True, capture_output=True)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_cmd(shards: Path, run_dir: Path) -> list[str]:
+    """``accelerate launch`` of two CPU processes over gloo (launch/accelerate/cpu2.yaml) on debug.yaml."""
+    return [
+        str(Path(sys.executable).parent / "accelerate"), "launch",
+        "--config_file", str(REPO / "launch" / "accelerate" / "cpu2.yaml"),
+        "--main_process_port", str(free_port()),
+        str(REPO / "launch" / "pretrain.py"), "--config", str(REPO / "launch" / "configs" / "debug.yaml"),
+        f"--data.shards={shards}", f"--run_dir={run_dir}", f"--train.max_steps={TRAIN_STEPS}",
+        "--checkpoint.every_steps=2", "--objective.momentum=0.9", "--train.debug_dump",
+    ]  # fmt: skip
+
+
+def train_env() -> dict[str, str]:
+    extra = {"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return {**os.environ, **extra}
+
+
+def logged_steps(run_dir: Path) -> dict[int, list[float]]:
+    """step -> every loss logged for it (a step redone after a resume is logged again)."""
+    out: dict[int, list[float]] = {}
+    metrics = run_dir / "metrics.jsonl"
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        record = json.loads(line)
+        if "loss" in record:
+            out.setdefault(record["step"], []).append(record["loss"])
+    return out
+
+
+def kill_everything(child: subprocess.Popen) -> None:
+    """SIGKILL the launcher's process group and every descendant: torch's launcher starts each rank in a
+    session of its own, so the group alone would leave the ranks running (a node failure would not)."""
+    victims = [psutil.Process(child.pid), *psutil.Process(child.pid).children(recursive=True)]
+    os.killpg(child.pid, signal.SIGKILL)
+    for p in victims:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=60)
+    child.wait(timeout=60)
+
+
+def final_state(run_dir: Path) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    ranks = [json.loads(p.read_text()) for p in sorted((run_dir / "debug").glob("rank*.json"))]
+    tensors = {}
+    for path in sorted((run_dir / "model").glob("*.safetensors")):
+        tensors.update(load_file(path))
+    keep = ("step", "samples_seen", "cursor", "param_checksum", "queue_checksum")
+    return {
+        "ranks": [{k: r.get(k) for k in keep} for r in ranks],
+        "losses": logged_steps(run_dir),
+        "model": {k: v.to(torch.float64) for k, v in tensors.items()},
+    }
+
+
+def same_training(got: dict, ref: dict) -> bool:
+    import torch
+
+    losses_ok = sorted(got["losses"]) == sorted(ref["losses"]) and all(
+        v == ref["losses"][step][0] for step, values in got["losses"].items() for v in values
+    )
+    model_ok = got["model"].keys() == ref["model"].keys() and all(
+        torch.equal(got["model"][k], ref["model"][k]) for k in ref["model"]
+    )
+    return len(ref["ranks"]) == 2 and got["ranks"] == ref["ranks"] and losses_ok and model_ok
+
+
+def training_kills(work: Path, runs: int, kills: int, rng: random.Random) -> None:
+    shards = training_shards(work)
+    ref_dir = work / "train-clean"
+    started = time.perf_counter()
+    subprocess.run(launch_cmd(shards, ref_dir), check=True, capture_output=True, env=train_env())
+    print(f"      uninterrupted 2-process run: {time.perf_counter() - started:.0f} s")
+    ref = final_state(ref_dir)
+    same, landed, resumed_right, fresh = 0, 0, 0, 0
+    for run in range(runs):
+        run_dir = work / f"train-killed-{run}"
+        targets: list[int | None] = [*sorted(rng.sample(range(1, TRAIN_STEPS - 1), kills)), None]
+        reached, expected, finished = 0, None, False
+        for k, target in enumerate(targets):  # target None: the last launch runs to the end
+            log_file = run_dir.parent / f"{run_dir.name}.launch{k}.log"
+            with open(log_file, "w") as log_out:
+                child = subprocess.Popen(
+                    launch_cmd(shards, run_dir), start_new_session=True, env=train_env(),
+                    stdout=log_out, stderr=subprocess.STDOUT,
+                )  # fmt: skip
+                try:
+                    deadline = time.monotonic() + 300
+                    kill_after = TRAIN_STEPS + 1 if target is None else max(target, reached + 1)
+                    while child.poll() is None and time.monotonic() < deadline:
+                        if max(logged_steps(run_dir), default=0) >= kill_after:
+                            break
+                        time.sleep(0.05)
+                    if target is not None:
+                        time.sleep(rng.uniform(0.0, 0.3))  # anywhere in a step, a checkpoint write included
+                    alive = child.poll() is None
+                finally:
+                    if target is not None or alive:
+                        kill_everything(child)
+            if k > 0:  # a relaunch must resume from the newest complete checkpoint (or start afresh if none)
+                got = re.search(r"resumed from \S*step-(\d+)", log_file.read_text())
+                resumed_right += (int(got.group(1)) if got else None) == expected
+                fresh += expected is None
+            if target is None:
+                finished = not alive and child.returncode == 0
+                break
+            reached = max(logged_steps(run_dir), default=0)
+            landed += alive and not (run_dir / "model").exists()
+            latest = Checkpointer(run_dir).latest()
+            expected = int(latest.name.split("-")[1]) if latest is not None else None
+            print(f"      training run {run}: kill {k + 1} after step {reached} (aimed at {target}), newest "
+                  f"complete checkpoint: {expected}")  # fmt: skip
+        same += finished and same_training(final_state(run_dir), ref)
+    row(
+        "kill -9 of a 2-process accelerate launch (process group and ranks), auto-resume",
+        f"{runs} runs x {kills} kills ({landed} landed mid-run), {resumed_right}/{runs * kills} relaunches "
+        f"resumed from the newest complete checkpoint ({fresh} had none yet and started afresh), "
+        f"{same}/{runs} with parameters, model file, queue, cursor and every logged loss bit-identical to an "
+        "uninterrupted run",
+        same == runs and landed == runs * kills and resumed_right == runs * kills,
+    )
+
+
 # ----------------------------------------------------------------------------------- malformed input
 MALFORMED: dict[str, bytes] = {
     "bad JSON": b'{"sentence1": "a", "sentence2": ',
@@ -301,23 +504,39 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--quick", action="store_true", help="fewer kills (2 instead of 5), a smaller huge line"
+        "--quick", action="store_true", help="fewer runs (2 instead of 3 or 5), a smaller huge line"
     )
     parser.add_argument(
         "--workdir", type=Path, default=None, help="keep the files here (default: a temp dir)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--rows",
+        nargs="*",
+        default=[],
+        help="only these rows (checkpoint shards preprocess gzip augment training malformed; default: all)",
+    )
     args = parser.parse_args()
     rng = random.Random(args.seed)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = args.workdir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        checkpoint_kills(work, 2 if args.quick else 5, rng)
-        shard_damage(work, rng)
-        preprocess_kills(work, 2 if args.quick else 3, rng)
-        truncated_gzip(work)
-        malformed_inputs(work, 1 << 18 if args.quick else 1 << 22)
+        rows = {
+            "checkpoint": lambda: checkpoint_kills(work, 2 if args.quick else 5, rng),
+            "shards": lambda: shard_damage(work, rng),
+            "preprocess": lambda: preprocess_kills(work, 2 if args.quick else 3, rng),
+            "gzip": lambda: truncated_gzip(work),
+            "augment": lambda: augment_kills(work, 2 if args.quick else 3, rng),
+            "training": lambda: training_kills(work, 2 if args.quick else 5, 2, rng),
+            "malformed": lambda: malformed_inputs(work, 1 << 18 if args.quick else 1 << 22),
+        }
+        unknown = set(args.rows) - set(rows)
+        if unknown:
+            parser.error(f"--rows: unknown {sorted(unknown)}; choose from {', '.join(rows)}")
+        for name, run_row in rows.items():
+            if not args.rows or name in args.rows:
+                run_row()
     print("\n| fault | counts | result |\n|---|---|---|")
     for name, counts, ok in ROWS:
         print(f"| {name} | {counts} | {'pass' if ok else 'FAIL'} |")
