@@ -18,6 +18,7 @@ from pipeline.losses import (
     simcse,
     sup_simcse,
 )
+from pipeline.model.heads import SoftmaxHead
 
 TAU = 0.05
 
@@ -230,7 +231,7 @@ def test_cosent_prefers_correct_order():
 # ------------------------------------------------------------------------------------- Sentence-BERT
 def test_sbert_softmax_is_cross_entropy_over_u_v_absdiff():
     torch.manual_seed(0)
-    head = sbert_softmax.SoftmaxHead(8, num_labels=3)
+    head = SoftmaxHead(8, num_labels=3)
     u, v = unit(5, 8).float(), unit(5, 8, seed=1).float()
     labels = torch.tensor([0.0, 1.0, 2.0, 1.0, 0.0])
     loss = sbert_softmax.compute_loss(u, v, labels, head)

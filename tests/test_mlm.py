@@ -10,8 +10,10 @@ from _train_data import debug_config, full_and_resumed, sample_sentences
 from safetensors import safe_open
 
 from pipeline.config import load_config
+from pipeline.data.collate import MLMCollator
 from pipeline.errors import ConfigError
-from pipeline.losses.mlm import IGNORE_INDEX, MLMCollator, MLMHead, batch_generator, compute_loss, mask_tokens
+from pipeline.losses.mlm import IGNORE_INDEX, batch_generator, compute_loss, mask_tokens
+from pipeline.model.heads import MLMHead
 from pipeline.train.config import PROJECT_ROOT, Config
 
 DEBUG = PROJECT_ROOT / "launch" / "configs" / "debug.yaml"

@@ -10,25 +10,23 @@ Masking (:func:`mask_tokens`, BERT's recipe): each non-special, non-padding toke
 probability ``mask_prob`` (0.15); of the selected, 80% become ``[MASK]``, 10% a random ordinary token,
 10% stay unchanged. Labels are the original ids at selected positions and -100 elsewhere.
 
-Masks are drawn in the data-loader workers (:class:`MLMCollator`) from a generator seeded by the run
-seed and the ids of the batch's sentences, so they are a pure function of the data position: no host
-sync in the step, and an exact resume redraws exactly the same masks.
+Masks are drawn in the data-loader workers (:class:`pipeline.data.collate.MLMCollator`) from a
+generator seeded by the run seed and the ids of the batch's sentences, so they are a pure function of
+the data position: no host sync in the step, and an exact resume redraws exactly the same masks.
 
-:class:`MLMHead` is BERT's prediction head (dense -> GELU -> LayerNorm -> decoder). The decoder's
-weight is *tied* to the backbone's word embeddings (as in BERT): it adds only H*H + 3H + V parameters
-and the masked-token gradient reaches the input embeddings directly. The head is trained and
-checkpointed but never exported with the encoder.
+:class:`pipeline.model.heads.MLMHead` is BERT's prediction head (dense -> GELU -> LayerNorm ->
+decoder). The decoder's weight is *tied* to the backbone's word embeddings (as in BERT): it adds only
+H*H + 3H + V parameters and the masked-token gradient reaches the input embeddings directly. The head
+is trained and checkpointed but never exported with the encoder.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pipeline.losses._precision import at_least_float32
 
@@ -82,57 +80,6 @@ def batch_generator(seed: int, sentence_ids: Sequence[int]) -> torch.Generator:
     entropy = [int(seed) & 0xFFFFFFFFFFFFFFFF, *(int(i) & 0xFFFFFFFFFFFFFFFF for i in sentence_ids)]
     state = np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0]
     return torch.Generator().manual_seed(int(state))
-
-
-class MLMCollator:
-    """Wraps a view collator: adds ``mlm_input_ids`` / ``mlm_labels`` (B, L), view 0 masked.
-
-    Runs in the loader workers (picklable: only ints and the wrapped collator). View 0 is the first B
-    rows of the view-major batch, the original sentences.
-    """
-
-    def __init__(
-        self,
-        collate: Callable[[dict[str, list[Any]]], dict[str, Any]],
-        tokenizer: Any,
-        seed: int,
-        mask_prob: float = MASK_PROB,
-    ):
-        self.collate, self.seed, self.mask_prob = collate, seed, mask_prob
-        self.columns = getattr(collate, "columns", None)
-        self.special_ids = sorted({int(i) for i in tokenizer.all_special_ids})
-        self.mask_id = int(tokenizer.mask_token_id)
-        self.vocab_size = len(tokenizer)
-
-    def __call__(self, rows: dict[str, list[Any]]) -> dict[str, Any]:
-        out = self.collate(rows)
-        b = len(rows["id"])
-        generator = batch_generator(self.seed, np.asarray(rows["id"], dtype=np.uint64).tolist())
-        out["mlm_input_ids"], out["mlm_labels"] = mask_tokens(
-            out["input_ids"][:b],
-            out["attention_mask"][:b],
-            self.special_ids,
-            self.mask_id,
-            self.vocab_size,
-            generator,
-            self.mask_prob,
-        )
-        return out
-
-
-class MLMHead(nn.Module):
-    """BERT's LM prediction head with the decoder tied to the word embeddings (passed to forward)."""
-
-    def __init__(self, hidden_size: int, vocab_size: int, layer_norm_eps: float = 1e-12):
-        super().__init__()
-        self.dense = nn.Linear(hidden_size, hidden_size)
-        self.norm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
-        self.bias = nn.Parameter(torch.zeros(vocab_size))  # the decoder's own bias (not tied)
-
-    def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
-        """(B, L, H) token states, (V, H) embedding matrix -> (B, L, V) logits."""
-        x = self.norm(F.gelu(self.dense(hidden)))  # (B, L, H)
-        return F.linear(x, word_embeddings, self.bias)  # (B, L, V)
 
 
 def compute_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from torch import nn
 
 from pipeline.errors import InputError
 from pipeline.losses import distill
+from pipeline.model.heads import projection_head
 
 if TYPE_CHECKING:
     from pipeline.train.config import ObjectiveConfig
@@ -84,7 +85,7 @@ class Objective:
             return self.make_head(dim, config)
         needs_projection = config.distill_weight > 0 or config.teacher_positive
         if needs_projection and config.teacher_dim and config.teacher_dim != dim:
-            return nn.Linear(dim, config.teacher_dim, bias=False)
+            return projection_head(dim, config.teacher_dim)
         return None
 
     def loss(self, embeddings: torch.Tensor, x: LossInputs) -> dict[str, torch.Tensor]:

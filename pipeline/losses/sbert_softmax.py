@@ -5,9 +5,9 @@ trained with cross entropy on class labels (NLI: contradiction / entailment / ne
 
     o = softmax(W_t [u; v; |u - v|]),   W_t in R^{k x 3H}
 
-The head (:class:`SoftmaxHead`) is trainable state: the trainer must give its parameters to the
-optimizer and keep its ``state_dict`` in the checkpoint, but it is *not* part of the exported
-encoder (the sentence-transformers export holds only the encoder).
+The head (:class:`pipeline.model.heads.SoftmaxHead`) is trainable state: the trainer must give its
+parameters to the optimizer and keep its ``state_dict`` in the checkpoint, but it is *not* part of the
+exported encoder (the sentence-transformers export holds only the encoder).
 
 Labels are class indices 0..k-1 (a float tensor of whole numbers, as the pair reader returns, is
 converted with ``.long()``). The loss is a per-pair mean, so no gathering is needed: with equal local
@@ -18,24 +18,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pipeline.losses._precision import at_least_float32
 from pipeline.losses.objective import Objective
-
-
-class SoftmaxHead(nn.Module):
-    """Linear(3H -> num_labels) over [u, v, |u - v|]."""
-
-    def __init__(self, dim: int, num_labels: int = 3):
-        super().__init__()
-        if num_labels < 2:
-            raise ValueError(f"num_labels must be >= 2, got {num_labels}")
-        self.classifier = nn.Linear(3 * dim, num_labels)
-
-    def forward(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        features = torch.cat([u, v, (u - v).abs()], dim=-1)  # (B, 3H)
-        return self.classifier(features)  # (B, num_labels)
+from pipeline.model.heads import SoftmaxHead
 
 
 def compute_loss(u: torch.Tensor, v: torch.Tensor, labels: torch.Tensor, head: SoftmaxHead) -> torch.Tensor:

@@ -22,6 +22,7 @@ from torch import nn
 
 from pipeline import distributed as dist
 from pipeline.config import to_dict
+from pipeline.data.collate import MLMCollator
 from pipeline.data.stream import (
     BatchStream,
     MemorySource,
@@ -34,8 +35,8 @@ from pipeline.data.stream import (
 from pipeline.errors import ConfigError
 from pipeline.evaluate.sts import PairSet, read_pair_file
 from pipeline.losses import Objective, get_objective
-from pipeline.losses.mlm import MLMCollator, MLMHead
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
+from pipeline.model.heads import MLMHead, TrainModule
 from pipeline.model.vocab import read_model_config, write_vocab
 from pipeline.resources import EVAL_DIR
 from pipeline.shards import read_shard, shard_paths
@@ -64,34 +65,6 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-
-
-class TrainModule(nn.Module):
-    """What DDP/DeepSpeed wrap: the encoder plus, for the sbert objective, its classifier head, and
-    with ``objective.mlm_weight`` the MLM head (pipeline/losses/mlm.py; trained, never exported)."""
-
-    def __init__(
-        self, encoder: SentenceEncoder, head: nn.Module | None = None, mlm_head: nn.Module | None = None
-    ):
-        super().__init__()
-        self.encoder = encoder
-        self.head = head
-        self.mlm_head = mlm_head
-
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, mlm_input_ids: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        emb = self.encoder(input_ids=input_ids, attention_mask=attention_mask)  # (N, H)
-        if mlm_input_ids is None:
-            return emb
-        # One extra backbone forward of the B masked originals (their padding equals view 0's), inside
-        # this forward so DDP sees every parameter used once per step.
-        b = mlm_input_ids.shape[0]
-        backbone = self.encoder.backbone
-        hidden = backbone(
-            input_ids=mlm_input_ids, attention_mask=attention_mask[:b], return_dict=True
-        ).last_hidden_state  # (B, L, H)
-        return emb, self.mlm_head(hidden, backbone.get_input_embeddings().weight)  # (N, H), (B, L, V)
 
 
 @dataclass

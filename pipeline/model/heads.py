@@ -1,0 +1,77 @@
+"""Trainable heads beside the encoder, and ``TrainModule``, what the launcher wraps.
+
+The heads are trained and checkpointed but never exported with the encoder: the sbert objective's
+classifier (:class:`SoftmaxHead`, pipeline/losses/sbert_softmax.py), the distillation projection
+(:func:`projection_head`, pipeline/losses/objective.py) and the auxiliary MLM head (:class:`MLMHead`,
+pipeline/losses/mlm.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.model.encoder import SentenceEncoder
+
+
+class SoftmaxHead(nn.Module):
+    """Linear(3H -> num_labels) over [u, v, |u - v|]."""
+
+    def __init__(self, dim: int, num_labels: int = 3):
+        super().__init__()
+        if num_labels < 2:
+            raise ValueError(f"num_labels must be >= 2, got {num_labels}")
+        self.classifier = nn.Linear(3 * dim, num_labels)
+
+    def forward(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        features = torch.cat([u, v, (u - v).abs()], dim=-1)  # (B, 3H)
+        return self.classifier(features)  # (B, num_labels)
+
+
+def projection_head(dim: int, teacher_dim: int) -> nn.Linear:
+    """The student -> teacher projection of distillation when the widths differ: (B, H) -> (B, D_t)."""
+    return nn.Linear(dim, teacher_dim, bias=False)
+
+
+class MLMHead(nn.Module):
+    """BERT's LM prediction head with the decoder tied to the word embeddings (passed to forward)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, layer_norm_eps: float = 1e-12):
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.norm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(vocab_size))  # the decoder's own bias (not tied)
+
+    def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
+        """(B, L, H) token states, (V, H) embedding matrix -> (B, L, V) logits."""
+        x = self.norm(F.gelu(self.dense(hidden)))  # (B, L, H)
+        return F.linear(x, word_embeddings, self.bias)  # (B, L, V)
+
+
+class TrainModule(nn.Module):
+    """What DDP/DeepSpeed wrap: the encoder plus, for the sbert objective, its classifier head, and
+    with ``objective.mlm_weight`` the MLM head (:class:`MLMHead`; trained, never exported)."""
+
+    def __init__(
+        self, encoder: SentenceEncoder, head: nn.Module | None = None, mlm_head: nn.Module | None = None
+    ):
+        super().__init__()
+        self.encoder = encoder
+        self.head = head
+        self.mlm_head = mlm_head
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, mlm_input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        emb = self.encoder(input_ids=input_ids, attention_mask=attention_mask)  # (N, H)
+        if mlm_input_ids is None:
+            return emb
+        # One extra backbone forward of the B masked originals (their padding equals view 0's), inside
+        # this forward so DDP sees every parameter used once per step.
+        b = mlm_input_ids.shape[0]
+        backbone = self.encoder.backbone
+        hidden = backbone(
+            input_ids=mlm_input_ids, attention_mask=attention_mask[:b], return_dict=True
+        ).last_hidden_state  # (B, L, H)
+        return emb, self.mlm_head(hidden, backbone.get_input_embeddings().weight)  # (N, H), (B, L, V)
