@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +32,9 @@ from pipeline.errors import InputError
 from pipeline.losses import distill
 from pipeline.model.heads import projection_head
 
-if TYPE_CHECKING:
-    from pipeline.train.config import ObjectiveConfig
+# The losses sit below pipeline/train in the import graph, so the config type is named, not imported:
+# ``ObjectiveConfig`` below is pipeline.train.config.ObjectiveConfig (any object with its fields).
+ObjectiveConfig = Any
 
 
 @dataclass
