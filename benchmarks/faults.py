@@ -12,13 +12,14 @@ Rows (each prints PASS only if every run of it met the claim):
 * malformed pair-file lines (bad JSON, bad UTF-8, missing field, wrong-type field, a huge line) mixed
   into good ones, read with ``strict=False``: every bad line counted, a sample ``file:line`` in the log,
   0 good records lost; an empty file is refused with its name.
-* preprocess (2 workers) killed with kill -9 of its whole process group at a random time, then rerun:
-  shard names, sizes, sha256 and the counts must equal a clean run's.
+* preprocess (2 workers) killed with kill -9 of its whole process group at a random point of its work
+  (after the imports, which take most of a short run), then rerun: shard names, sizes, sha256 and the
+  counts must equal a clean run's.
 * a gzip input cut in half: counted as one unreadable file, named in the log, and every sentence of its
   readable lines kept (compared with preprocessing those lines from a plain file).
 
-* augment (2 workers) killed the same way at a random time, then rerun: manifest.json and every
-  shard's sha256 must equal a clean run's.
+* augment (2 workers, the corpus in shards of 1,000 sentences) killed the same way, then rerun:
+  manifest.json and every shard's sha256 must equal a clean run's.
 * a 2-process ``accelerate launch`` (gloo, debug.yaml, tiny shards made by preprocess + augment) killed
   with kill -9 of its process group and every rank at two random steps per run, relaunched each time
   (auto-resume from the newest checkpoint): the final parameters (every rank's checksum and the saved
@@ -175,10 +176,10 @@ def shard_damage(work: Path, rng: random.Random) -> None:
 
 
 # ----------------------------------------------------------------------------------- preprocess
-def preprocess_cmd(inputs: list[Path], out: Path) -> list[str]:
+def preprocess_cmd(inputs: list[Path], out: Path, per_shard: int = 5000) -> list[str]:
     return [
         sys.executable, "-m", "pipeline", "preprocess", *map(str, inputs), f"--out={out}", "--workers=2",
-        "--chunk_bytes=500000", "--sentences_per_shard=5000",
+        "--chunk_bytes=500000", f"--sentences_per_shard={per_shard}",
     ]  # fmt: skip
 
 
@@ -189,22 +190,47 @@ def output_fingerprint(out: Path) -> tuple:
     return shards, json.dumps(manifest["counts"], sort_keys=True)
 
 
+def timed_clean_run(cmd: list[str], out: Path, work_name: str) -> float:
+    """Run ``cmd`` to the end; return the seconds from its work directory's creation to its exit."""
+    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    work_started = None
+    while child.poll() is None:
+        if work_started is None and (out / work_name).is_dir():
+            work_started = time.monotonic()
+        time.sleep(0.02)
+    if child.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed with exit code {child.returncode}")
+    return time.monotonic() - (work_started or time.monotonic())
+
+
+def kill_during_work(
+    cmd: list[str], out: Path, work_name: str, work_seconds: float, rng: random.Random
+) -> bool:
+    """Start ``cmd`` in its own process group (kill -9 then reaches its worker processes too, as a node
+    failure would), wait for its work directory, kill the group at a random point of the work's length
+    in a clean run (imports excluded: they take most of a short run); return whether the kill landed
+    before the end."""
+    child = subprocess.Popen(
+        cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    while child.poll() is None and not (out / work_name).is_dir():
+        time.sleep(0.02)
+    time.sleep(rng.uniform(0.1, 0.8) * work_seconds)
+    landed = child.poll() is None
+    if landed:
+        os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+    return landed
+
+
 def preprocess_kills(work: Path, runs: int, rng: random.Random) -> None:
     clean = work / "pp-clean"
-    subprocess.run(preprocess_cmd([SAMPLE_CORPUS], clean), check=True, capture_output=True)
+    work_seconds = timed_clean_run(preprocess_cmd([SAMPLE_CORPUS], clean), clean, ".work")
+    print(f"      clean preprocess: {work_seconds:.1f} s of work after its imports")
     expected, same, landed, partial = output_fingerprint(clean), 0, 0, 0
     for run in range(runs):
         out = work / f"pp-killed-{run}"
-        # its own process group: kill -9 reaches the worker processes too, as a node failure would
-        child = subprocess.Popen(
-            preprocess_cmd([SAMPLE_CORPUS], out), start_new_session=True,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        time.sleep(rng.uniform(2.0, 4.0))  # the whole run takes about 5 s here, ~2 s of it imports
-        if child.poll() is None:
-            landed += 1
-            os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
+        landed += kill_during_work(preprocess_cmd([SAMPLE_CORPUS], out), out, ".work", work_seconds, rng)
         partial += (out / ".work").is_dir()  # the kill left work files for the rerun to pick up
         subprocess.run(preprocess_cmd([SAMPLE_CORPUS], out), check=True, capture_output=True)
         same += output_fingerprint(out) == expected
@@ -258,24 +284,15 @@ def stage_output(out: Path) -> tuple:
 
 
 def augment_kills(work: Path, runs: int, rng: random.Random) -> None:
-    pp = work / "pp-clean"
-    if not (pp / MANIFEST).is_file():
-        subprocess.run(preprocess_cmd([SAMPLE_CORPUS], pp), check=True, capture_output=True)
+    pp = work / "aug-input"  # the corpus in shards of 1,000 sentences: a kill finds some finished
+    subprocess.run(preprocess_cmd([SAMPLE_CORPUS], pp, per_shard=1000), check=True, capture_output=True)
     clean = work / "aug-clean"
-    started = time.perf_counter()
-    subprocess.run(augment_cmd(pp, clean), check=True, capture_output=True)
-    took = time.perf_counter() - started
+    work_seconds = timed_clean_run(augment_cmd(pp, clean), clean, ".augment-work")
+    print(f"      clean augment: {work_seconds:.1f} s of work after its imports")
     expected, same, landed, partial = stage_output(clean), 0, 0, 0
     for run in range(runs):
         out = work / f"aug-killed-{run}"
-        child = subprocess.Popen(
-            augment_cmd(pp, out), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )  # its own process group: the kill reaches the spawned workers too
-        time.sleep(rng.uniform(0.3, 0.8) * took)  # a clean run took `took` s, about 3 s of it imports
-        if child.poll() is None:
-            landed += 1
-            os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
+        landed += kill_during_work(augment_cmd(pp, out), out, ".augment-work", work_seconds, rng)
         done = len(list((out / ".augment-work").glob("shard-*.json")))
         partial += done
         print(f"      augment run {run}: killed with {done} shard(s) recorded done")
