@@ -103,32 +103,26 @@ def check_repo_id(repo_id: str) -> None:
 # ------------------------------------------------------------------------------------ the folder
 def module_list(pooling: str, dim: int, num_layers: int) -> tuple[list[dict[str, Any]], dict[str, dict]]:
     """modules.json entries and the config of each module folder for our pooling rule."""
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
+    modules: list[dict[str, Any]] = []
     configs: dict[str, dict[str, Any]] = {}
-    if pooling == "first_last_avg":
+
+    def add(kind: str, folder: bool = True) -> str:
+        """Append module ``kind`` (sentence_transformers.models.<kind>); return its folder, N_<kind>."""
+        path = f"{len(modules)}_{kind}" if folder else ""
         modules.append(
-            {
-                "idx": 1,
-                "name": "1",
-                "path": "1_WeightedLayerPooling",
-                "type": "sentence_transformers.models.WeightedLayerPooling",
-            }
-        )
-        configs["1_WeightedLayerPooling"] = {
+            {"idx": len(modules), "name": str(len(modules)), "path": path,
+             "type": f"sentence_transformers.models.{kind}"}
+        )  # fmt: skip
+        return path
+
+    add("Transformer", folder=False)
+    if pooling == "first_last_avg":
+        configs[add("WeightedLayerPooling")] = {
             "word_embedding_dimension": dim,
             "layer_start": 1,
             "num_hidden_layers": num_layers,
         }
-    pooling_dir = f"{len(modules)}_Pooling"
-    modules.append(
-        {
-            "idx": len(modules),
-            "name": str(len(modules)),
-            "path": pooling_dir,
-            "type": "sentence_transformers.models.Pooling",
-        }
-    )
-    configs[pooling_dir] = {
+    configs[add("Pooling")] = {
         "word_embedding_dimension": dim,
         "pooling_mode_cls_token": pooling == "cls",
         "pooling_mode_mean_tokens": pooling in ("mean", "first_last_avg"),
@@ -138,16 +132,7 @@ def module_list(pooling: str, dim: int, num_layers: int) -> tuple[list[dict[str,
         "pooling_mode_lasttoken": False,
         "include_prompt": True,
     }
-    normalize_dir = f"{len(modules)}_Normalize"
-    modules.append(
-        {
-            "idx": len(modules),
-            "name": str(len(modules)),
-            "path": normalize_dir,
-            "type": "sentence_transformers.models.Normalize",
-        }
-    )
-    configs[normalize_dir] = {}
+    configs[add("Normalize")] = {}
     return modules, configs
 
 

@@ -100,6 +100,17 @@ def _order(names: list[str]) -> list[str]:
     return first + sorted(n for n in names if n not in first)
 
 
+def _save_grid(plt: Any, fig: Any, axes: Any, used: int, title: str, path: Path) -> Path:
+    """Hide the grid's unused axes, title the figure, write it to ``path`` and close it."""
+    for ax in list(axes.flat)[used:]:
+        ax.set_visible(False)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))  # leave room for the title above the first row
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_training(series: dict[str, tuple[list, list]], path: Path, title: str = "training") -> Path | None:
     """One panel per training series (loss and lr first); None when there is nothing to plot."""
     if not series:
@@ -122,13 +133,7 @@ def plot_training(series: dict[str, tuple[list, list]], path: Path, title: str =
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(names) :]:
-        ax.set_visible(False)
-    fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0, 1, 0.98))  # leave room for the title above the first row
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_grid(plt, fig, axes, len(names), title, path)
 
 
 def plot_eval(
@@ -197,10 +202,4 @@ def plot_similarity(
         ax.set_ylim(min(-0.05, float(sims.min()) - 0.05), 1.02)
         ax.set_title(f"{name} (n={len(sims)})")
         ax.grid(alpha=0.3, axis="y")
-    for ax in list(axes.flat)[len(names) :]:
-        ax.set_visible(False)
-    fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0, 1, 0.98))  # leave room for the title above the first row
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_grid(plt, fig, axes, len(names), title, path)
