@@ -36,6 +36,7 @@ import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from pipeline.data.token_ids import TEXT_COLUMNS, TOKEN_ID_COLUMNS, pad_ids, ragged_rows
 from pipeline.errors import ConfigError, InputError
 from pipeline.shards import ipc_to_table, iter_blocks, read_manifest, verify_shard
 from pipeline.teacher.vectors import teacher_matrix
@@ -49,8 +50,9 @@ log = logging.getLogger(__name__)
 class BlockRef:
     """Where one block lives: a byte range inside a shard tar (a tar member's data).
 
-    ``lengths`` is each row's length proxy for bucketing: the most characters of its text or any of
-    its variants (uint16, saturating), 2 bytes a row in the broadcast index.
+    ``lengths`` is each row's length for bucketing: the most tokens of its text or any of its variants
+    when the shards hold token ids, else the most characters (a proxy); uint16, saturating, 2 bytes a
+    row in the broadcast index.
     """
 
     path: str
@@ -61,13 +63,17 @@ class BlockRef:
 
 
 def row_lengths(table: pa.Table) -> np.ndarray:
-    """Per row: the most characters of its ``text`` or any of its ``variants`` (uint16, saturating)."""
+    """Per row: the most tokens (with ids stored, ``pipeline tokenize``) or else characters of its
+    ``text`` or any of its ``variants`` (uint16, saturating)."""
     import pyarrow.compute as pc
 
-    lengths = pc.utf8_length(table.column("text")).to_numpy(zero_copy_only=False).astype(np.int64)
-    if "variants" in table.column_names:
-        variants = table.column("variants").combine_chunks()
-        flat = pc.utf8_length(pc.list_flatten(variants)).to_numpy(zero_copy_only=False).astype(np.int64)
+    tokens = "input_ids" in table.column_names
+    size = pc.list_value_length if tokens else pc.utf8_length
+    text, variants_column = ("input_ids", "variant_input_ids") if tokens else ("text", "variants")
+    lengths = size(table.column(text)).to_numpy(zero_copy_only=False).astype(np.int64)
+    if variants_column in table.column_names:
+        variants = table.column(variants_column).combine_chunks()
+        flat = size(pc.list_flatten(variants)).to_numpy(zero_copy_only=False).astype(np.int64)
         parents = pc.list_parent_indices(variants).to_numpy(zero_copy_only=False)
         np.maximum.at(lengths, parents, flat)
     return np.minimum(lengths, np.iinfo(np.uint16).max).astype(np.uint16)
@@ -240,9 +246,11 @@ class ShardSource:
         for name in self.columns:
             if name == "teacher" and name in table.column_names:  # (rows, D) float32, no Python floats
                 cols[name] = teacher_matrix(table.column(name))
+            elif name in TOKEN_ID_COLUMNS and name in table.column_names:  # int64 arrays, no Python ints
+                cols[name] = ragged_rows(table.column(name))
             elif name in table.column_names:
                 cols[name] = table.column(name).to_pylist()
-            elif name in ("variants", "variant_ops"):
+            elif name in ("variants", "variant_ops", "variant_input_ids"):
                 cols[name] = [[] for _ in range(table.num_rows)]  # preprocess-only shards: no variants
             else:
                 raise InputError(f"{self.blocks[index].path}: blocks lack the column {name!r}")
@@ -485,6 +493,10 @@ class ViewCollator:
     j of sentence i (a sentence with fewer than m cached takes the next sentence's original in the
     missing slots: an in-batch negative anyway), and ``batch["num_hard_negatives"] = m``. With
     ``teacher`` the batch carries ``batch["teacher"]``, the cached teacher vectors (B, D) float32.
+
+    With ``pretokenized`` the rows carry the shards' token ids (``pipeline tokenize``, hash checked by
+    :func:`pipeline.data.token_ids.shards_have_ids`) and are padded instead of tokenised: the same
+    tensors, without the Rust tokenizer in the loader.
     """
 
     def __init__(
@@ -496,23 +508,32 @@ class ViewCollator:
         prefix: str = "",
         teacher: bool = False,
         num_hard_negatives: int = 0,
+        pretokenized: bool = False,
     ):
-        self.encode = FastEncoder(tokenizer, max_length, prefix)
+        self.pretokenized = pretokenized
+        if pretokenized:
+            self.pad_id = tokenizer.pad_token_id
+        else:
+            self.encode = FastEncoder(tokenizer, max_length, prefix)
         self.k, self.d = num_variants, num_dropout_views
         self.teacher, self.m = teacher, num_hard_negatives
-        extra = ("teacher",) * teacher + ("hard_negatives",) * (num_hard_negatives > 0)
-        self.columns = ("id", "text", "variants") + extra
+        # (text, variants, hard negatives) as strings, or as their stored ids
+        self.sources = TOKEN_ID_COLUMNS if pretokenized else TEXT_COLUMNS
+        extra = ("teacher",) * teacher + (self.sources[2],) * (num_hard_negatives > 0)
+        self.columns = ("id", self.sources[0], self.sources[1]) + extra
 
     def __call__(self, rows: dict[str, list[Any]]) -> dict[str, Any]:
-        texts = rows["text"]
+        text_column, variants_column, negatives_column = self.sources
+        texts = rows[text_column]  # strings, or id arrays: the view logic is the same
         b = len(texts)
         views = [texts]
         for j in range(self.k):
-            views.append([v[j] if j < len(v) else t for t, v in zip(texts, rows["variants"])])
+            views.append([v[j] if j < len(v) else t for t, v in zip(texts, rows[variants_column])])
         for j in range(self.m):  # after the views in the one tokenisation: a common padding length
-            negatives = rows["hard_negatives"]
+            negatives = rows[negatives_column]
             views.append([h[j] if j < len(h) else texts[(i + 1) % b] for i, h in enumerate(negatives)])
-        ids, mask = self.encode([t for view in views for t in view])  # (1 + k + m) * B rows
+        flat = [t for view in views for t in view]  # (1 + k + m) * B rows
+        ids, mask = pad_ids(flat, self.pad_id) if self.pretokenized else self.encode(flat)
         if self.d:  # dropout views: the original's tokens again; dropout makes them differ
             cut = (1 + self.k) * b
             ids = torch.cat([ids[:cut], ids[:b].repeat(self.d, 1), ids[cut:]])

@@ -32,6 +32,7 @@ from pipeline.data.stream import (
     cached_variants,
     index_shards,
 )
+from pipeline.data.token_ids import shards_have_ids
 from pipeline.errors import ConfigError
 from pipeline.evaluate.sts import PairSet, read_pair_file
 from pipeline.losses import Objective, get_objective
@@ -285,7 +286,10 @@ def build_stream(cfg: Config, tokenizer: Any, rank: int, world: int, prefix: str
         blocks = dist.broadcast_object(index_shards(d.shards, d.verify_shards) if rank == 0 else None)
         k, views = (d.num_variants, d.num_dropout_views) if objective.uses_variants else (0, 1)
         teacher = batches_carry_teacher(cfg)  # checks data.teacher/num_hard_negatives against the shards
-        collate = ViewCollator(tokenizer, d.max_length, k, views, prefix, teacher, d.num_hard_negatives)
+        pretokenized = shards_have_ids(d.shards, tokenizer, prefix, d.max_length)  # refuses other ids
+        collate = ViewCollator(
+            tokenizer, d.max_length, k, views, prefix, teacher, d.num_hard_negatives, pretokenized
+        )
         source: Any = ShardSource(blocks, collate.columns)
         if cfg.objective.mlm_weight:  # masks drawn in the loader workers, from the data position
             collate = MLMCollator(collate, tokenizer, t.seed, cfg.objective.mlm_probability)

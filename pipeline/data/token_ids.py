@@ -1,0 +1,103 @@
+"""Token ids stored in the shards (``python -m pipeline tokenize``): identity, reading, padding.
+
+A tokenised shard set names its tokenizer by one hash (:func:`tokenizer_hash`): the tokenizer's
+serialised rules, its padding id, the text prefix and the truncation length. The trainer pads the
+stored ids only when that hash equals its own model's (:func:`shards_have_ids`); then a batch is
+the same tensors as tokenising its texts on the fly, without the Rust tokenizer in the loader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from pipeline.errors import ConfigError
+from pipeline.shards import read_manifest
+
+# the id columns and the text columns they tokenise, in the same order
+TOKEN_ID_COLUMNS = ("input_ids", "variant_input_ids", "hard_negative_input_ids")
+TEXT_COLUMNS = ("text", "variants", "hard_negatives")
+
+
+def canonical_tokenizer(tokenizer: Any) -> Any:
+    """A copy of ``tokenizer``'s Rust backend without truncation or padding (both set per call)."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
+
+
+def tokenizer_hash(tokenizer: Any, prefix: str, max_length: int) -> str:
+    """sha256 over what fixes the ids of a text: tokenizer rules (as JSON), pad id, prefix, max_length.
+
+    The JSON is the backend's own serialisation with truncation and padding off, so a tokenizer that
+    a previous call left truncating hashes the same as a fresh one.
+    """
+    digest = hashlib.sha256(canonical_tokenizer(tokenizer).to_str().encode("utf-8"))
+    digest.update(f"\0pad={tokenizer.pad_token_id}\0prefix={prefix}\0max_length={max_length}".encode())
+    return digest.hexdigest()
+
+
+def id_dtype(vocab_size: int) -> pa.DataType:
+    """uint16 when every id fits in 16 bits, else uint32 (shards/README.md)."""
+    return pa.uint16() if vocab_size <= np.iinfo(np.uint16).max + 1 else pa.uint32()
+
+
+def shards_have_ids(shards: str | Path, tokenizer: Any, prefix: str, max_length: int) -> bool:
+    """Whether to pad the shards' stored ids (hash matches), or tokenise on the fly (no ids).
+
+    Ids made with another tokenizer, prefix or max_length are a ConfigError naming both hashes:
+    padding them would train on the wrong tokens without a sign.
+    """
+    recorded = read_manifest(shards).get("tokenizer")
+    if recorded is None:
+        return False
+    mine = tokenizer_hash(tokenizer, prefix, max_length)
+    if recorded.get("hash") != mine:
+        raise ConfigError(
+            f"data.shards {shards} holds token ids of tokenizer hash {str(recorded.get('hash'))[:16]} "
+            f"({recorded.get('name')}, prefix {recorded.get('prefix')!r}, max_length "
+            f"{recorded.get('max_length')}) but this model's is {mine[:16]} (prefix {prefix!r}, "
+            f"max_length {max_length}); rerun `python -m pipeline tokenize --shards INPUT --out NEW_DIR "
+            f"--model MODEL --max_length {max_length}` and train on NEW_DIR (or on untokenised shards)"
+        )
+    return True
+
+
+def _split_rows(array: pa.ListArray) -> list[np.ndarray]:
+    offsets = array.offsets.to_numpy()
+    values = array.flatten().to_numpy(zero_copy_only=False).astype(np.int64)  # padded batches are int64
+    return np.split(values, offsets[1:-1] - offsets[0])
+
+
+def ragged_rows(column: pa.ChunkedArray | pa.Array) -> list[Any]:
+    """list<uint> -> one int64 array per row; list<list<uint>> -> per row, a list of such arrays."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if len(array) == 0:
+        return []
+    if not pa.types.is_list(array.type.value_type):
+        return _split_rows(array)
+    inner = _split_rows(array.flatten())
+    offsets = array.offsets.to_numpy() - array.offsets.to_numpy()[0]
+    return [inner[offsets[i] : offsets[i + 1]] for i in range(len(array))]
+
+
+def pad_ids(rows: Sequence[np.ndarray], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged id rows -> (N, L) int64 ids and mask, padded on the right to the longest row.
+
+    The same tensors as :class:`pipeline.data.stream.FastEncoder` gives for the texts (tested).
+    """
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))  # (N,)
+    width = int(lengths.max()) if len(rows) else 0
+    real = np.arange(width)[None, :] < lengths[:, None]  # (N, L)
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)  # (N, L)
+    ids[real] = np.concatenate(rows) if len(rows) else []
+    return torch.from_numpy(ids), torch.from_numpy(real.astype(np.int64))
