@@ -5,6 +5,9 @@ built here."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -158,7 +161,24 @@ def test_tasks_and_a_rerun_give_the_same_bytes(tmp_path, shards, model, tokenize
     tokenize(shards, out, model, task_index=1, num_tasks=2)  # shard 1 only: no manifest yet
     assert not (out / "manifest.json").exists() and (out / "shard-000001.tar").is_file()
     (out / "shard-000001.tar").write_bytes(b"torn")  # a shard replaced after its record is redone
-    tokenize(shards, out, model, task_index=0, num_tasks=2, workers=2)  # shards 0 and 2, two processes
+    # shards 0 and 2 in two worker processes, through the command line (a subprocess: the spawn pool's
+    # resource tracker would otherwise outlive the test as a child of the pytest process)
+    argv = [
+        "--shards",
+        str(shards),
+        "--out",
+        str(out),
+        "--model",
+        str(model),
+        "--max_length",
+        str(MAX_LENGTH),
+    ]
+    argv += ["--task-index", "0", "--num-tasks", "2", "--workers", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "pipeline", "tokenize", *argv]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     assert not (out / "manifest.json").exists()  # shard 1 is torn: its task must redo it
     tokenize(shards, out, model, task_index=1, num_tasks=2)
     assert (out / "manifest.json").is_file()
