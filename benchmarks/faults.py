@@ -215,11 +215,13 @@ def kill_during_work(
     )
     while child.poll() is None and not (out / work_name).is_dir():
         time.sleep(0.02)
-    time.sleep(rng.uniform(0.1, 0.8) * work_seconds)
+    delay = rng.uniform(0.1, 0.8) * work_seconds
+    time.sleep(delay)
     landed = child.poll() is None
     if landed:
         os.killpg(child.pid, signal.SIGKILL)
     child.wait()
+    print(f"      {out.name}: killed {delay:.1f} s into its work" + ("" if landed else " (it had finished)"))
     return landed
 
 
