@@ -26,7 +26,8 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from pipeline.data.stream import BatchStream, BlockRef, ShardSource, ViewCollator, index_shards
+from pipeline.data.collate import ViewCollator
+from pipeline.data.stream import BatchStream, BlockRef, ShardSource, index_shards
 from pipeline.data.token_ids import TEXT_COLUMNS, shards_have_ids
 from pipeline.shards import read_manifest, read_shard
 

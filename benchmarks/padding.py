@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.data.stream import BatchStream, ShardSource, ViewCollator, cached_variants, index_shards
+from pipeline.data.collate import ViewCollator
+from pipeline.data.stream import BatchStream, ShardSource, cached_variants, index_shards
 
 
 class TokenCounts:

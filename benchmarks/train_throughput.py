@@ -39,7 +39,8 @@ import pyarrow as pa
 import torch
 
 from pipeline.config import load_config
-from pipeline.data.stream import BatchStream, ShardSource, ViewCollator, index_shards
+from pipeline.data.collate import ViewCollator
+from pipeline.data.stream import BatchStream, ShardSource, index_shards
 from pipeline.io import atomic_write_json
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
 from pipeline.model.vocab import write_vocab

@@ -10,7 +10,7 @@ from _train_data import debug_config, full_and_resumed, sample_sentences
 from safetensors import safe_open
 
 from pipeline.config import load_config
-from pipeline.data.collate import MLMCollator
+from pipeline.data.collate import MLMCollator, ViewCollator
 from pipeline.errors import ConfigError
 from pipeline.losses.mlm import IGNORE_INDEX, batch_generator, compute_loss, mask_tokens
 from pipeline.model.heads import MLMHead
@@ -77,7 +77,6 @@ def test_batch_generator_depends_on_seed_and_ids():
 
 
 def test_collator_masks_view_zero_only(tmp_path):
-    from pipeline.data.stream import ViewCollator
     from pipeline.model import build_char_vocab, make_tokenizer
     from pipeline.model.vocab import write_vocab
 

@@ -128,7 +128,7 @@ def test_encoder_json_keeps_the_prefix_and_tokenize_applies_it_once(xlmr_folder,
 
 
 def test_collators_apply_the_prefix_once(xlmr_parts):
-    from pipeline.data.stream import PairCollator, ViewCollator
+    from pipeline.data.collate import PairCollator, ViewCollator
 
     tokenizer, _ = xlmr_parts
     texts = sample_sentences(4)

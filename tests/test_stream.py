@@ -175,7 +175,7 @@ def test_fast_encoder_equals_the_transformers_tokenizer(tmp_path):
     import torch
     from _train_data import sample_sentences
 
-    from pipeline.data.stream import FastEncoder, ViewCollator
+    from pipeline.data.collate import FastEncoder, ViewCollator
     from pipeline.model import build_char_vocab, make_tokenizer, write_vocab
 
     texts = sample_sentences(40)

@@ -310,7 +310,8 @@ def test_trainer_checks_the_teacher(tmp_path, taught, shards, teacher_dir):
 
 
 def test_collator_emits_teacher_and_hard_negative_rows(taught, teacher_dir):
-    from pipeline.data.stream import ShardSource, ViewCollator, index_shards
+    from pipeline.data.collate import ViewCollator
+    from pipeline.data.stream import ShardSource, index_shards
     from pipeline.model import SentenceEncoder
 
     tokenizer = SentenceEncoder.from_pretrained(teacher_dir).tokenizer

@@ -5,12 +5,138 @@ Every collator runs in the loader workers, so it holds only picklable state.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
+from pipeline.data.token_ids import TEXT_COLUMNS, TOKEN_ID_COLUMNS, pad_ids
 from pipeline.losses.mlm import MASK_PROB, batch_generator, mask_tokens
+
+
+class FastEncoder:
+    """Tokenise a list of texts to padded (N, L) int64 arrays with the Rust tokenizer directly.
+
+    Gives the same ids and mask as ``tokenizer(texts, padding=True, truncation=True, max_length=L)``
+    (tested) at about twice the speed: transformers' conversion of the encodings to tensors costs as
+    much as the tokenisation itself. The backend is copied, so the caller's tokenizer is untouched.
+    ``prefix`` (the encoder's, e.g. e5's "query: ") goes before every text, as in ``SentenceEncoder``.
+    """
+
+    def __init__(self, tokenizer: Any, max_length: int, prefix: str = ""):
+        from tokenizers import Tokenizer
+
+        self.prefix = prefix
+
+        self.backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+        self.backend.enable_truncation(max_length=max_length)
+        self.backend.enable_padding(pad_id=tokenizer.pad_token_id, pad_token=tokenizer.pad_token)
+
+    def __call__(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        # encode_batch_fast skips character offsets, which we never use (tokenizers >= 0.20)
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        encodings = encode([self.prefix + t for t in texts])
+        ids = np.array([e.ids for e in encodings], dtype=np.int64)  # (N, L), L = longest in the batch
+        mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)  # (N, L)
+        return torch.from_numpy(ids), torch.from_numpy(mask)
+
+
+class ViewCollator:
+    """Rows of the shards -> one tokenised batch of n = 1 + k + d views per sentence (LUSE, SimCSE).
+
+    View 0 is the original, views 1..k its first k cached variants (a sentence with fewer than k
+    variants repeats its original in the missing slots, which then acts as one more dropout view),
+    views k+1..k+d repeat the original for dropout. All n*B texts share one padding length so the
+    model encodes them in one forward. Rows are ordered view-major: row v*B + i is view v of sentence i.
+
+    With ``num_hard_negatives`` m the m mined negatives follow the views: row n*B + j*B + i is negative
+    j of sentence i (a sentence with fewer than m cached takes the next sentence's original in the
+    missing slots: an in-batch negative anyway), and ``batch["num_hard_negatives"] = m``. With
+    ``teacher`` the batch carries ``batch["teacher"]``, the cached teacher vectors (B, D) float32.
+
+    With ``pretokenized`` the rows carry the shards' token ids (``pipeline tokenize``, hash checked by
+    :func:`pipeline.data.token_ids.shards_have_ids`) and are padded instead of tokenised: the same
+    tensors, without the Rust tokenizer in the loader.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_length: int,
+        num_variants: int,
+        num_dropout_views: int,
+        prefix: str = "",
+        teacher: bool = False,
+        num_hard_negatives: int = 0,
+        pretokenized: bool = False,
+    ):
+        self.pretokenized = pretokenized
+        if pretokenized:
+            self.pad_id = tokenizer.pad_token_id
+        else:
+            self.encode = FastEncoder(tokenizer, max_length, prefix)
+        self.k, self.d = num_variants, num_dropout_views
+        self.teacher, self.m = teacher, num_hard_negatives
+        # (text, variants, hard negatives) as strings, or as their stored ids
+        self.sources = TOKEN_ID_COLUMNS if pretokenized else TEXT_COLUMNS
+        extra = ("teacher",) * teacher + (self.sources[2],) * (num_hard_negatives > 0)
+        self.columns = ("id", self.sources[0], self.sources[1]) + extra
+
+    def __call__(self, rows: dict[str, list[Any]]) -> dict[str, Any]:
+        text_column, variants_column, negatives_column = self.sources
+        texts = rows[text_column]  # strings, or id arrays: the view logic is the same
+        b = len(texts)
+        views = [texts]
+        for j in range(self.k):
+            views.append([v[j] if j < len(v) else t for t, v in zip(texts, rows[variants_column])])
+        for j in range(self.m):  # after the views in the one tokenisation: a common padding length
+            negatives = rows[negatives_column]
+            views.append([h[j] if j < len(h) else texts[(i + 1) % b] for i, h in enumerate(negatives)])
+        flat = [t for view in views for t in view]  # (1 + k + m) * B rows
+        ids, mask = pad_ids(flat, self.pad_id) if self.pretokenized else self.encode(flat)
+        if self.d:  # dropout views: the original's tokens again; dropout makes them differ
+            cut = (1 + self.k) * b
+            ids = torch.cat([ids[:cut], ids[:b].repeat(self.d, 1), ids[cut:]])
+            mask = torch.cat([mask[:cut], mask[:b].repeat(self.d, 1), mask[cut:]])
+        out = {
+            "ids": torch.tensor(np.asarray(rows["id"], dtype=np.uint64).view(np.int64)),
+            "input_ids": ids,  # ((n + m) * B, L)
+            "attention_mask": mask,  # ((n + m) * B, L)
+            "num_views": 1 + self.k + self.d,
+        }
+        if self.m:
+            out["num_hard_negatives"] = self.m
+        if self.teacher:
+            out["teacher"] = torch.from_numpy(np.stack(rows["teacher"]))  # (B, D) float32
+        return out
+
+
+class PairCollator:
+    """Supervised records -> tokenised columns (sentence1/2[/3]) and labels, one tensor set per column."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_length: int,
+        text_columns: Sequence[str],
+        label_dtype: Any = None,
+        prefix: str = "",
+    ):
+        self.encode = FastEncoder(tokenizer, max_length, prefix)
+        self.text_columns, self.label_dtype = list(text_columns), label_dtype
+
+    def __call__(self, rows: dict[str, list[Any]]) -> dict[str, Any]:
+        ids, mask = self.encode([t for col in self.text_columns for t in rows[col]])
+        out = {
+            "ids": torch.tensor(rows["index"], dtype=torch.int64),
+            "input_ids": ids,  # (n * B, L), column-major like the views
+            "attention_mask": mask,
+            "num_views": len(self.text_columns),
+        }
+        if self.label_dtype is not None:
+            out["labels"] = torch.tensor(rows["label"], dtype=self.label_dtype)
+        return out
 
 
 class MLMCollator:

@@ -93,7 +93,7 @@ def ragged_rows(column: pa.ChunkedArray | pa.Array) -> list[Any]:
 def pad_ids(rows: Sequence[np.ndarray], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged id rows -> (N, L) int64 ids and mask, padded on the right to the longest row.
 
-    The same tensors as :class:`pipeline.data.stream.FastEncoder` gives for the texts (tested).
+    The same tensors as :class:`pipeline.data.collate.FastEncoder` gives for the texts (tested).
     """
     lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))  # (N,)
     width = int(lengths.max()) if len(rows) else 0

@@ -22,13 +22,11 @@ from torch import nn
 
 from pipeline import distributed as dist
 from pipeline.config import to_dict
-from pipeline.data.collate import MLMCollator
+from pipeline.data.collate import MLMCollator, PairCollator, ViewCollator
 from pipeline.data.stream import (
     BatchStream,
     MemorySource,
-    PairCollator,
     ShardSource,
-    ViewCollator,
     cached_variants,
     index_shards,
 )
