@@ -36,6 +36,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -205,42 +206,52 @@ def timed_clean_run(cmd: list[str], out: Path, work_name: str) -> float:
 
 def kill_during_work(
     cmd: list[str], out: Path, work_name: str, work_seconds: float, rng: random.Random
-) -> bool:
+) -> tuple[bool, int]:
     """Start ``cmd`` in its own process group (kill -9 then reaches its worker processes too, as a node
     failure would), wait for its work directory, kill the group at a random point of the work's length
-    in a clean run (imports excluded: they take most of a short run); return whether the kill landed
-    before the end."""
-    child = subprocess.Popen(
-        cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    while child.poll() is None and not (out / work_name).is_dir():
-        time.sleep(0.02)
-    delay = rng.uniform(0.1, 0.8) * work_seconds
-    time.sleep(delay)
-    landed = child.poll() is None
-    if landed:
-        os.killpg(child.pid, signal.SIGKILL)
-    child.wait()
-    print(f"      {out.name}: killed {delay:.1f} s into its work" + ("" if landed else " (it had finished)"))
-    return landed
+    in a clean run (imports excluded: they take most of a short run). On a shared machine a run can
+    finish before its kill: then it starts again in an empty ``out`` with half the delay, up to 4 times.
+    Returns (whether a kill landed before the end, how many runs finished first)."""
+    shrink = 1.0
+    for missed in range(4):
+        child = subprocess.Popen(
+            cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        while child.poll() is None and not (out / work_name).is_dir():
+            time.sleep(0.02)
+        delay = rng.uniform(0.1, 0.8) * work_seconds * shrink
+        time.sleep(delay)
+        landed = child.poll() is None
+        if landed:
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        print(
+            f"      {out.name}: killed {delay:.1f} s into its work" + ("" if landed else " (it had finished)")
+        )
+        if landed:
+            return True, missed
+        shutil.rmtree(out)
+        shrink /= 2
+    return False, 4
 
 
 def preprocess_kills(work: Path, runs: int, rng: random.Random) -> None:
     clean = work / "pp-clean"
     work_seconds = timed_clean_run(preprocess_cmd([SAMPLE_CORPUS], clean), clean, ".work")
     print(f"      clean preprocess: {work_seconds:.1f} s of work after its imports")
-    expected, same, landed, partial = output_fingerprint(clean), 0, 0, 0
+    expected, same, landed, partial, redone = output_fingerprint(clean), 0, 0, 0, 0
     for run in range(runs):
         out = work / f"pp-killed-{run}"
-        landed += kill_during_work(preprocess_cmd([SAMPLE_CORPUS], out), out, ".work", work_seconds, rng)
+        hit, missed = kill_during_work(preprocess_cmd([SAMPLE_CORPUS], out), out, ".work", work_seconds, rng)
+        landed, redone = landed + hit, redone + missed
         partial += (out / ".work").is_dir()  # the kill left work files for the rerun to pick up
         subprocess.run(preprocess_cmd([SAMPLE_CORPUS], out), check=True, capture_output=True)
         same += output_fingerprint(out) == expected
     row(
         "preprocess (2 workers) killed with kill -9 of its process group, rerun",
-        f"{runs} runs ({landed} kills before the end, {partial} with work files left), {same}/{runs} with "
-        "shards (sha256) and counts "
-        "identical to a clean run",
+        f"{runs} runs ({landed} kills before the end, {partial} with work files left; {redone} runs finished "
+        f"before their kill and were redone), {same}/{runs} with shards (sha256) and counts identical to a "
+        "clean run",
         same == runs and landed == runs,
     )
 
@@ -291,10 +302,11 @@ def augment_kills(work: Path, runs: int, rng: random.Random) -> None:
     clean = work / "aug-clean"
     work_seconds = timed_clean_run(augment_cmd(pp, clean), clean, ".augment-work")
     print(f"      clean augment: {work_seconds:.1f} s of work after its imports")
-    expected, same, landed, partial = stage_output(clean), 0, 0, 0
+    expected, same, landed, partial, redone = stage_output(clean), 0, 0, 0, 0
     for run in range(runs):
         out = work / f"aug-killed-{run}"
-        landed += kill_during_work(augment_cmd(pp, out), out, ".augment-work", work_seconds, rng)
+        hit, missed = kill_during_work(augment_cmd(pp, out), out, ".augment-work", work_seconds, rng)
+        landed, redone = landed + hit, redone + missed
         done = len(list((out / ".augment-work").glob("shard-*.json")))
         partial += done
         print(f"      augment run {run}: killed with {done} shard(s) recorded done")
@@ -302,7 +314,8 @@ def augment_kills(work: Path, runs: int, rng: random.Random) -> None:
         same += stage_output(out) == expected
     row(
         "augment (2 workers) killed with kill -9 of its process group, rerun",
-        f"{runs} runs ({landed} kills before the end, {partial} finished shards kept over all kills), "
+        f"{runs} runs ({landed} kills before the end, {partial} finished shards kept over all kills; "
+        f"{redone} runs finished before their kill and were redone), "
         f"{same}/{runs} with manifest and shards (sha256) identical to a clean run",
         same == runs and landed == runs,
     )
