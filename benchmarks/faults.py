@@ -205,12 +205,18 @@ def timed_clean_run(cmd: list[str], out: Path, work_name: str) -> float:
 
 
 def kill_during_work(
-    cmd: list[str], out: Path, work_name: str, work_seconds: float, rng: random.Random
+    cmd: list[str],
+    out: Path,
+    work_name: str,
+    work_seconds: float,
+    rng: random.Random,
+    window: tuple[float, float] = (0.1, 0.8),
 ) -> tuple[bool, int]:
     """Start ``cmd`` in its own process group (kill -9 then reaches its worker processes too, as a node
-    failure would), wait for its work directory, kill the group at a random point of the work's length
-    in a clean run (imports excluded: they take most of a short run). On a shared machine a run can
-    finish before its kill: then it starts again in an empty ``out`` with half the delay, up to 4 times.
+    failure would), wait for its work directory, kill the group at a random point (``window``, a share
+    of the work's length in a clean run; imports excluded: they take most of a short run). On a shared
+    machine a run can finish before its kill: then it starts again in an empty ``out`` with half the
+    delay, up to 4 times.
     Returns (whether a kill landed before the end, how many runs finished first)."""
     shrink = 1.0
     for missed in range(4):
@@ -219,7 +225,7 @@ def kill_during_work(
         )
         while child.poll() is None and not (out / work_name).is_dir():
             time.sleep(0.02)
-        delay = rng.uniform(0.1, 0.8) * work_seconds * shrink
+        delay = rng.uniform(*window) * work_seconds * shrink
         time.sleep(delay)
         landed = child.poll() is None
         if landed:
@@ -305,7 +311,10 @@ def augment_kills(work: Path, runs: int, rng: random.Random) -> None:
     expected, same, landed, partial, redone = stage_output(clean), 0, 0, 0, 0
     for run in range(runs):
         out = work / f"aug-killed-{run}"
-        hit, missed = kill_during_work(augment_cmd(pp, out), out, ".augment-work", work_seconds, rng)
+        # the workers' start (jieba) takes about the first third of the work: kill among the shards
+        hit, missed = kill_during_work(
+            augment_cmd(pp, out), out, ".augment-work", work_seconds, rng, (0.35, 0.9)
+        )
         landed, redone = landed + hit, redone + missed
         done = len(list((out / ".augment-work").glob("shard-*.json")))
         partial += done
