@@ -215,8 +215,10 @@ def test_loader_workers_survive_a_preemption_signal(shards):
     full = [b["ids"] for b in streams(d, 1, 0)[0].epoch_batches()]
     stream = streams(d, 1, 2)[0]
     batches = stream.epoch_batches()
+    # Children left by earlier tests (a slow worker's exit, a resource tracker) are not this loader's.
+    before = {p.pid for p in psutil.Process().children()}
     got = [next(batches)["ids"]]  # the workers are running now
-    workers = psutil.Process().children()
+    workers = [p for p in psutil.Process().children() if p.pid not in before]
     assert len(workers) == 2
     for worker in workers:
         os.kill(worker.pid, signal.SIGUSR1)
