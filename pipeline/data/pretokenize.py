@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
-import json
 import logging
 import multiprocessing as mp
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -41,6 +39,16 @@ from pipeline.data.token_ids import (
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_json, sha256_file
 from pipeline.shards import MANIFEST, new_manifest, read_manifest, read_shard, verify_shard, write_shard
+from pipeline.stages import (
+    already_done,
+    claim_out_dir,
+    finished_records,
+    own_shards,
+    read_record,
+    record_path,
+    remove_stale_temps,
+    shard_index,
+)
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +162,7 @@ class ShardJob:
 def tokenize_shard(job: ShardJob, encoder: IdEncoder) -> dict[str, Any]:
     """Verify one input shard, write its copy with the id columns, then its completion record."""
     in_path = verify_shard(job.in_dir, job.entry)
-    for stale in job.out_dir.glob(f".{job.entry['name']}.tmp-*"):  # left by a killed run of this shard
-        stale.unlink(missing_ok=True)
+    remove_stale_temps(job.out_dir, job.entry["name"])
     counts = {"sentences": 0, "texts_tokenized": 0, "truncated": 0, "tokens": 0}
     started = time.perf_counter()
 
@@ -202,59 +209,18 @@ def _run_in_worker(job: ShardJob) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------- driver
-def record_path(record_dir: Path, shard_name: str) -> Path:
-    return record_dir / (Path(shard_name).stem + ".json")
-
-
-def read_record(record_dir: Path, shard_dir: Path, shard_name: str) -> dict[str, Any] | None:
-    try:
-        record = json.loads(record_path(record_dir, shard_name).read_text(encoding="utf-8"))
-    except FileNotFoundError:  # not done yet, or another task finalized and removed the work dir
-        return None
-    shard = shard_dir / shard_name
-    if not shard.is_file() or shard.stat().st_size != record["entry"]["bytes"]:
-        return None  # removed or replaced after its record: redo it
-    return record
-
-
-def _shard_index(name: str, position: int) -> int:
-    match = re.fullmatch(r"shard-(\d+)\.tar", name)
-    return int(match.group(1)) if match else position
-
-
 def run_fingerprint(cfg: Config, in_manifest_sha: str, tokenizer: dict[str, Any]) -> dict[str, Any]:
     """What the output depends on: config, input manifest, the tokenizer record (with its hash)."""
     config = {k: v for k, v in to_dict(cfg).items() if k not in EXECUTION_FIELDS}
     return {"config": config, "input_manifest_sha256": in_manifest_sha, "tokenizer": tokenizer}
 
 
-def _claim_out_dir(cfg: Config, fingerprint: dict[str, Any]) -> Path:
-    """Refuse to mix two different runs in one output directory; return the records folder."""
-    work = cfg.out / WORK_DIR
-    work.mkdir(parents=True, exist_ok=True)
-    run_file = work / "run.json"
-    if run_file.is_file():
-        if json.loads(run_file.read_text(encoding="utf-8")) != fingerprint:
-            raise InputError(
-                f"{cfg.out} holds an unfinished tokenize run with a different config, input or tokenizer "
-                f"({run_file}); use another --out or delete that directory"
-            )
-    else:
-        atomic_write_json(run_file, fingerprint)
-    return work
-
-
 def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, Any]) -> bool:
     """Write manifest.json once every shard is done; return whether it did."""
     names = [e["name"] for e in in_manifest["shards"]]
-    records = [read_record(cfg.out / WORK_DIR, cfg.out, n) for n in names]
-    missing = [n for n, r in zip(names, records) if r is None]
-    if missing:
-        if (cfg.out / MANIFEST).is_file():  # another array task finalized while we looked
-            return True
-        done = len(names) - len(missing)
-        log.info("%d of %d shards tokenized; the task that finishes last finalizes", done, len(names))
-        return False
+    records = finished_records(cfg.out, cfg.out / WORK_DIR, cfg.out, names, False, "tokenize")
+    if records is None:
+        return (cfg.out / MANIFEST).is_file()
     counts = {key: sum(r["counts"][key] for r in records) for key in records[0]["counts"]}
     manifest = new_manifest(
         "tokenize",
@@ -285,20 +251,15 @@ def run(cfg: Config) -> int:
     tokenizer, prefix = load_tokenizer(cfg)
     record = tokenizer_record(cfg, tokenizer, prefix)
     fingerprint = run_fingerprint(cfg, sha256_file(cfg.shards / MANIFEST), record)
-    if (cfg.out / MANIFEST).is_file():
-        existing = read_manifest(cfg.out)
-        if {k: existing.get(k) for k in fingerprint} == fingerprint:
-            log.info("%s is already complete; nothing to do", cfg.out)
-            return 0
-        raise InputError(
-            f"{cfg.out / MANIFEST} exists from a different config, input or tokenizer; use another --out"
-        )
-    record_dir = _claim_out_dir(cfg, fingerprint)
-    mine = [(i, e) for i, e in enumerate(in_manifest["shards"]) if i % cfg.num_tasks == cfg.task_index]
+    if already_done(cfg.out, fingerprint, "config, input or tokenizer"):
+        return 0
+    claim_out_dir(cfg.out, WORK_DIR, fingerprint, "tokenize", "config, input or tokenizer")
+    record_dir, entries = cfg.out / WORK_DIR, in_manifest["shards"]
+    mine = own_shards(entries, cfg.task_index, cfg.num_tasks)
     jobs = [
-        ShardJob(cfg.shards, e, cfg.out, record_dir, _shard_index(e["name"], i))
-        for i, e in mine
-        if read_record(record_dir, cfg.out, e["name"]) is None
+        ShardJob(cfg.shards, entries[i], cfg.out, record_dir, shard_index(entries[i]["name"], i))
+        for i in mine
+        if read_record(record_dir, cfg.out, entries[i]["name"]) is None
     ]
     log.info("task %d/%d: %d shard(s), %d to do", cfg.task_index, cfg.num_tasks, len(mine), len(jobs))
     init = (canonical_tokenizer(tokenizer).to_str(), prefix, cfg.max_length, record["dtype"])
