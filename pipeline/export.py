@@ -303,6 +303,34 @@ def find_eval_json(resolved: Any, explicit: Path | None) -> dict[str, Any] | Non
     return None
 
 
+def final_model_event(resolved: Any) -> dict[str, Any] | None:
+    """The run's ``final_model`` record in metrics.jsonl (which step was exported, and whether it is the
+    initial model) when ``resolved`` is that model: RUN_DIR/model, or the checkpoint of that step."""
+    model_dir = Path(resolved.model_dir) if resolved.model_dir else None
+    step = None
+    if resolved.kind == "model" and model_dir is not None and model_dir.name == "model":
+        run_dir = model_dir.parent  # RUN_DIR/model: the run's final model
+    elif resolved.kind == "checkpoint" and resolved.run_dir and resolved.checkpoint_dir:
+        run_dir, step = Path(resolved.run_dir), Path(resolved.checkpoint_dir).name.rpartition("-")[2]
+    else:
+        return None
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    found = None
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        if '"final_model"' in line:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("event") == "final_model":
+                found = record
+    if found is None or (step is not None and (not step.isdigit() or int(step) != found.get("step"))):
+        return None
+    return found
+
+
 def _get(data: dict[str, Any], dotted: str) -> Any:
     node: Any = data
     for part in dotted.split("."):
@@ -388,6 +416,17 @@ def model_card(
         lines.append(markdown_table(["setting", "value"], [[k, v] for k, v in rows]) + "\n")
     else:
         lines.append("No training configuration was found beside the checkpoint.\n")
+    selected = final_model_event(resolved)
+    if selected and selected.get("initial_weights"):
+        lines.append(
+            "**No training step beat the initial model** on STS-B valid "
+            f"({selected['sts_b_valid_spearman']:.2f} at step 0): these are the initial weights.\n"
+        )
+    elif selected and selected.get("sts_b_valid_spearman") is not None:
+        lines.append(
+            f"Exported weights: step {selected['step']} ({selected['selected']}), STS-B valid "
+            f"{selected['sts_b_valid_spearman']:.2f}; step 0 (the initial model) was a candidate.\n"
+        )
     lines.append("## Evaluation\n")
     if result:
         lines.append(

@@ -329,3 +329,24 @@ def test_corrupt_deepspeed_checkpoint_is_one_line(tiny_model, tmp_path, capsys):
     (zero / "global_step5" / "mp_rank_00_model_states.pt").write_bytes(b"junk")
     assert export(zero, tmp_path / "st", "--skeleton", str(tiny_model)) == 2
     assert "cannot consolidate DeepSpeed checkpoint" in _one_line_error(capsys)
+
+
+def test_final_model_event_names_the_exported_step_only_for_that_model(tmp_path):
+    """The card's "these are the initial weights" line must describe the weights actually exported."""
+    import json
+
+    from pipeline.evaluate.resolve import Resolved
+    from pipeline.export import final_model_event
+
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    event = {"event": "final_model", "selected": "best", "step": 0, "sts_b_valid_spearman": 65.0,
+             "initial_weights": True}  # fmt: skip
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n" + json.dumps(event) + "\n")
+    final = Resolved(str(run / "model"), "model", run / "model")
+    assert final_model_event(final) == event
+    step0 = Resolved(str(run), "checkpoint", run / "ckpt", run / "checkpoints" / "step-00000000", run)
+    assert final_model_event(step0) == event
+    later = Resolved(str(run), "checkpoint", run / "ckpt", run / "checkpoints" / "step-00000100", run)
+    assert final_model_event(later) is None  # another step's weights: the line would be false
+    assert final_model_event(Resolved("x", "model", tmp_path / "elsewhere")) is None
