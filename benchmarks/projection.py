@@ -5,6 +5,7 @@ LUSE epoch. A projection, not a measurement at scale: it combines figures measur
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/projection.py            # markdown report on stdout
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/projection.py --json     # the same, machine-readable
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/projection.py --mfu 0.2 --nodes 1,8 --augment-rate 4000
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/projection.py --measure-padding [--padding-model DIR]
 
 What it measures here (about 40 s of one core, most of it counting the base model's FLOPs):
   * sentence lengths of the bundled corpus after preprocessing (runs/sample/shards, or a fresh
@@ -15,12 +16,20 @@ What it measures here (about 40 s of one core, most of it counting the base mode
   * FLOPs of one forward+backward of a randomly initialised transformers BERT on CPU with
     torch.utils.flop_counter.FlopCounterMode (4 sentences x n views), scaled linearly per sequence.
 What it takes from elsewhere (arguments, defaults from README.md "Measured figures" or assumed):
-  per-core preprocess and augment rates, the shard/text byte ratio, parallel efficiency, GPU peaks, MFU.
+  per-core preprocess and augment rates, the shard/text byte ratio, parallel efficiency, GPU peaks, MFU,
+  and the padded/real token ratios of length-bucketed and of random batches (defaults printed by
+  --measure-padding, which counts one epoch of runs/sample/augmented per scenario with
+  benchmarks/padding.py's functions and a char-level tokenizer built from the shards, or with
+  --padding-model's tokenizer: about 40 s more, no model needed by default).
+
+Three length scenarios: "mean" (no padding at all), "bucketed" (mean x the bucketed padded/real ratio:
+data.length_bucketing) and "padded" (random batches, each rank's batch padded to its longest text).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import math
@@ -54,6 +63,17 @@ CORPUS_SOURCE = (
 A100_SOURCE = "NVIDIA A100 datasheet: SXM BF16 Tensor Core 312 TFLOPS dense (624 with sparsity)"
 H100_SOURCE = "NVIDIA H100 datasheet: SXM BF16 Tensor Core 1,979 TFLOPS with sparsity = 989 dense"
 HF_CONFIG_SOURCE = "the model's published config.json (not downloaded: built from transformers.BertConfig)"
+# The padded/real defaults were printed by this command (benchmarks/padding.py's counting, a char-level
+# tokenizer, this projection's max_length, batch, world and views); e5 word pieces: --padding-model.
+PADDING_CMD = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/projection.py --measure-padding"
+BUCKETED_PADDING, RANDOM_PADDING = 1.062, 1.665  # window 50; random batches: the same run
+PADDING_SETTINGS = {
+    "max_length": 64,
+    "per_gpu_batch": 64,
+    "gpus": 8,
+    "augment_variants": 4,
+    "bucket_window": 50,
+}
 
 
 @dataclass(frozen=True)
@@ -176,6 +196,105 @@ def measure_lengths(
         variant_sample=len(subset),
         source=source,
     )
+
+
+# --------------------------------------------------------------------------------------------- padding
+@dataclass(frozen=True)
+class PaddingRatios:
+    """Padded/real tokens of real training batches (the trainer's collator), random and length-bucketed."""
+
+    random: float
+    bucketed: float
+    window: int  # data.bucket_window the bucketed ratio was measured at
+    source: str
+
+
+def char_tokenizer(shards: Path) -> Any:
+    """A character-level BERT tokenizer over every character of ``shards``' texts and variants.
+
+    This projection's token model (chars + [CLS] + [SEP], as bert-base-chinese and RBT3 cut CJK text)
+    as a real tokenizer, so that padding is measured on the same lengths the FLOPs are counted at.
+    """
+    from transformers import BertTokenizerFast
+
+    chars: set[str] = set()
+    for path in shard_paths(shards):
+        for block in read_shard(path):
+            chars.update(*block.column("text").to_pylist())
+            if "variants" in block.column_names:
+                chars.update(*(x for v in block.column("variants").to_pylist() for x in v))
+    pieces = sorted(c for c in chars if not c.isspace())
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *pieces, *(f"##{c}" for c in pieces)]
+    return BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=False)
+
+
+def measure_padding(
+    shards: Path,
+    model: str,
+    max_length: int,
+    per_gpu_batch: int,
+    gpus: int,
+    num_variants: int,
+    window: int,
+) -> PaddingRatios:
+    """One epoch of the real BatchStream per scenario, counted with benchmarks/padding.py's functions at
+    this projection's batch, world size and views (1 + k + 1 dropout)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.data.collate import ViewCollator
+    from pipeline.data.stream import index_shards
+
+    spec = importlib.util.spec_from_file_location("padding", Path(__file__).with_name("padding.py"))
+    padding = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(padding)
+    if model == "chars":
+        tokenizer, prefix, tokens = char_tokenizer(shards), "", "a character-level BERT tokenizer"
+    else:
+        encoder = Path(model) / "encoder.json"
+        prefix = json.loads(encoder.read_text()).get("prefix", "") if encoder.exists() else ""
+        tokenizer, tokens = AutoTokenizer.from_pretrained(model), f"the tokenizer of {model}"
+    counts = padding.TokenCounts(ViewCollator(tokenizer, max_length, num_variants, 1, prefix))
+    blocks = index_shards(shards)
+    global_batch = per_gpu_batch * gpus
+    log.info("measuring padding: one epoch of %s, random then bucketed (window %d)", shards, window)
+    random_ratio, _ = padding.epoch_ratio(blocks, counts, global_batch, gpus, 0)
+    bucketed_ratio, steps = padding.epoch_ratio(blocks, counts, global_batch, gpus, window)
+    source = (
+        f"measured by this run: benchmarks/padding.py's epoch_ratio, one epoch ({steps} steps) of {shards} "
+        f"with {tokens} (prefix {prefix!r}), global batch {global_batch} over {gpus} ranks, max_length "
+        f"{max_length}, 1 + {num_variants} + 1 views"
+    )
+    return PaddingRatios(random_ratio, bucketed_ratio, window, source)
+
+
+def given_padding(args: argparse.Namespace) -> PaddingRatios:
+    """The ratios of --bucketed-padding / --random-padding: measured by PADDING_CMD unless changed."""
+    if (args.bucketed_padding, args.random_padding) == (BUCKETED_PADDING, RANDOM_PADDING):
+        differs = [k for k, v in PADDING_SETTINGS.items() if getattr(args, k) != v]
+        if differs:
+            log.warning(
+                "the default padding ratios were measured at %s; this run changes %s: pass "
+                "--measure-padding, or --bucketed-padding/--random-padding",
+                PADDING_SETTINGS,
+                ", ".join(differs),
+            )
+        source = f"`{PADDING_CMD}` (one epoch of runs/sample/augmented, char-level tokenizer)"
+    else:
+        source = "given with --bucketed-padding / --random-padding"
+    return PaddingRatios(args.random_padding, args.bucketed_padding, args.bucket_window, source)
+
+
+def scenario_lengths(stats: LengthStats, padding: PaddingRatios) -> dict[str, float]:
+    """Tokens each sequence pays for: no padding, length-bucketed batches, random batches.
+
+    'bucketed' applies the measured padded/real ratio of real (tokenised) batches to this projection's
+    mean; 'padded' is the projection's own sampled estimate on the char-level lengths.
+    """
+    return {
+        "mean": stats.mean_tokens_per_view,
+        "bucketed": stats.mean_tokens_per_view * padding.bucketed,
+        "padded": stats.padded_length,
+    }
 
 
 # --------------------------------------------------------------------------------------------- CPU stages
@@ -350,8 +469,9 @@ def training_projection(
     peaks = {"A100 SXM": args.a100_tflops, "H100 SXM": args.h100_tflops}
     rows = []
     for r in flops:
-        # The momentum encoder re-encodes view 0 (no graph): the originals' length, or the padded one.
-        ratio = 1.0 if r["scenario"] == "padded" else stats.mean_tokens_original / stats.mean_tokens_per_view
+        # The momentum encoder re-encodes view 0 (no graph): the originals' length unpadded; in a padded
+        # or bucketed batch view 0's rows are padded to the batch's length like every other view's.
+        ratio = 1.0 if r["scenario"] != "mean" else stats.mean_tokens_original / stats.mean_tokens_per_view
         key_forward = r["fwd_flops_per_seq"] * ratio if args.momentum > 0 else 0.0
         encoder = args.per_gpu_batch * (n_views * r["fwd_bwd_flops_per_seq"] + key_forward)
         loss = loss_flops(n_views, args.per_gpu_batch, args.gpus, args.queue_size, r["hidden"])
@@ -400,8 +520,9 @@ def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
 
 
 # --------------------------------------------------------------------------------------------- report
-def inputs_table(args: argparse.Namespace, stats: LengthStats) -> dict[str, Fig]:
+def inputs_table(args: argparse.Namespace, stats: LengthStats, padding: PaddingRatios) -> dict[str, Fig]:
     n_views = 1 + args.augment_variants + 1
+    padding_kind = "assumed" if padding.source.startswith("given") else "measured"
     pre = f"README.md Measured figures, `{PREPROCESS_CMD}` (5.0M synthetic JSON-lines sentences, 1 worker)"
     return {
         "sentences": Fig(args.sentences, "assumed", CORPUS_SOURCE),
@@ -433,6 +554,12 @@ def inputs_table(args: argparse.Namespace, stats: LengthStats) -> dict[str, Fig]
             n_views, "assumed", f"1 original + {args.augment_variants} EDA + 1 dropout"
         ),
         "max_length": Fig(args.max_length, "assumed", "training data.max_length"),
+        f"padded/real tokens, length-bucketed batches (window {padding.window})": Fig(
+            padding.bucketed, padding_kind, padding.source
+        ),
+        "padded/real tokens, random batches (compared with the sampled estimate, not used)": Fig(
+            padding.random, padding_kind, padding.source
+        ),
         "GPUs": Fig(args.gpus, "assumed", "one node"),
         "sentences per GPU per step": Fig(
             args.per_gpu_batch, "assumed", f"global batch {args.per_gpu_batch * args.gpus}"
@@ -464,7 +591,7 @@ def duration(hours: float) -> str:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    st = report["lengths"]
+    st, pad = report["lengths"], report["padding"]
     out = [
         "# Projection: nlp_chinese_corpus preprocessing, augmentation and one LUSE epoch",
         "",
@@ -501,6 +628,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"| **mean tokens per sequence over the n views** | **{st['mean_tokens_per_view']:.2f}** |",
         f"| padded length of a rank's batch (longest text of {report['per_gpu_batch']} sentences x n, "
         f"200 sampled batches) | {st['padded_length']:.2f} |",
+        f"| the same as padded/real tokens (vs {pad['random']:.3f} measured on real random batches, "
+        "see Inputs) | "
+        f"{st['padded_length'] / st['mean_tokens_per_view']:.3f} |",
+        f"| tokens per sequence, length-bucketed: mean x {pad['bucketed']:.3f} measured padded/real | "
+        f"{st['mean_tokens_per_view'] * pad['bucketed']:.2f} |",
         "",
         "## CPU stages: preprocess and augment the full corpus (projected)",
         "",
@@ -556,8 +688,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         "logits against the gathered batch and the queue). Step time = step FLOPs / (peak x MFU), both",
         "assumed. Data parallel: the gradient all-reduce is assumed hidden behind backward (DDP buckets,",
         "NVLink); optimizer and EMA updates (a few FLOPs per parameter) are left out. 'mean' = every",
-        "sequence costs the mean length (length-bucketed or unpadded batches); 'padded' = what the",
-        "collator does today (a rank's whole batch padded to its longest text).",
+        "sequence costs the mean length (no padding at all: a floor); 'bucketed' = the mean times the",
+        "measured padded/real ratio of length-bucketed batches (data.length_bucketing, the default);",
+        "'padded' = random batches (data.length_bucketing=false), a rank's whole batch padded to its",
+        "longest text, as estimated here from sampled batches.",
         "",
         "| model | GPU | tokens/seq | TFLOP per GPU-step | loss share | key-encoder share | step s | "
         "steps | **hours per epoch** |",
@@ -583,6 +717,10 @@ def assumptions(args: argparse.Namespace) -> list[str]:
         "synthetic JSON-lines blow-up of it (preprocess); the real collections' sentence lengths differ.",
         "Token count = characters + 2 special tokens, capped at max_length: exact for CJK characters under "
         "a character vocabulary, an over-count where bert-base-chinese merges Latin letters or digits.",
+        "The padded/real ratio of length-bucketed batches, measured on the 45k-sentence sample (one epoch "
+        "is 88 global batches, under two windows), holds for the full corpus: a window is the same "
+        f"{args.bucket_window} x {args.per_gpu_batch * args.gpus} sentences at any corpus size, so this "
+        "assumes only that the full corpus's lengths spread like the sample's.",
         "The LUSE loss FLOPs are a formula, not counted; they are a small share of a step at these sizes.",
         f"MFU {args.mfu} and the GPU peaks are assumptions (NVIDIA datasheet peaks; MFU of small BERTs at "
         "short sequences is usually lower than the 40-50% reported for large LLM training).",
@@ -642,8 +780,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["rbt3", "bert-base-chinese", "model_small"],
         help="models to measure and project (comma-separated)",
     )
+    p.add_argument(
+        "--bucketed-padding",
+        type=float,
+        default=BUCKETED_PADDING,
+        help=f"padded/real tokens of length-bucketed batches, measured by `{PADDING_CMD}`",
+    )
+    p.add_argument(
+        "--random-padding", type=float, default=RANDOM_PADDING, help="random batches, the same command"
+    )
+    p.add_argument(
+        "--measure-padding",
+        action="store_true",
+        help="measure both ratios here (one epoch of --padding-shards per scenario, about a minute)",
+    )
+    p.add_argument("--padding-shards", type=Path, default=REPO / "runs/sample/augmented")
+    p.add_argument(
+        "--padding-model",
+        default="chars",
+        help="tokenizer folder (e.g. models/e5-small), or 'chars': a char-level BERT tokenizer, as projected",
+    )
+    p.add_argument("--bucket-window", type=int, default=50, help="data.bucket_window, global batches")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.bucketed_padding < 1 or args.random_padding < 1 or args.bucket_window < 1:
+        p.error("--bucketed-padding and --random-padding must be >= 1 (padded/real), --bucket-window >= 1")
+    if args.measure_padding and not (args.padding_shards / "manifest.json").is_file():
+        p.error(f"--padding-shards {args.padding_shards}: no manifest.json; give augmented shards")
+    if args.measure_padding and args.padding_model != "chars" and not Path(args.padding_model).is_dir():
+        p.error(f"--padding-model {args.padding_model}: not a folder; give a tokenizer folder or 'chars'")
     if not 0 < args.efficiency <= 1 or not 0 < args.mfu <= 1:
         p.error("--efficiency and --mfu must be in (0, 1]")
     if args.preprocess_rate >= args.split_rate:
@@ -664,9 +829,20 @@ def main(argv: list[str] | None = None) -> None:
         args.variant_sample,
         args.seed,
     )
-    lengths = {"mean": stats.mean_tokens_per_view, "padded": stats.padded_length}
+    if args.measure_padding:
+        padding = measure_padding(
+            args.padding_shards,
+            args.padding_model,
+            args.max_length,
+            args.per_gpu_batch,
+            args.gpus,
+            args.augment_variants,
+            args.bucket_window,
+        )
+    else:
+        padding = given_padding(args)
     specs = [s for s in model_specs(args) if s.name in args.models]
-    flops = flop_table(args, specs, lengths)
+    flops = flop_table(args, specs, scenario_lengths(stats, padding))
     report = {
         "command": " ".join(
             [
@@ -678,8 +854,9 @@ def main(argv: list[str] | None = None) -> None:
         "sentences": args.sentences,
         "gpus": args.gpus,
         "per_gpu_batch": args.per_gpu_batch,
-        "inputs": {k: asdict(v) for k, v in inputs_table(args, stats).items()},
+        "inputs": {k: asdict(v) for k, v in inputs_table(args, stats, padding).items()},
         "lengths": asdict(stats),
+        "padding": asdict(padding),
         "cpu": cpu_projection(args, stats),
         "flops": flops,
         "training": training_projection(args, flops, stats),

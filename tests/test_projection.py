@@ -82,3 +82,64 @@ def test_epoch_hours_scale_with_mfu_and_peak(projection):
     encoder = 64 * (6 * 3e9 + 1e9)
     loss = projection.loss_flops(6, 64, 8, args.queue_size, 768)
     assert rows["A100 SXM"]["step_tflops_per_gpu"] * 1e12 == pytest.approx(encoder + loss)
+
+
+def test_bucketed_scenario_lies_between_mean_and_padded_and_scales_with_its_ratio(projection):
+    args = projection.parse_args(["--flop-sentences", "1"])
+    spec = projection.ModelSpec("tiny", layers=2, hidden=32, heads=4, intermediate=128, vocab=100, source="t")
+    stats = projection.LengthStats(
+        sentences=1,
+        mean_chars=28.0,
+        mean_text_bytes=84.0,
+        shard_text_ratio=0.7,
+        truncated_share=0.0,
+        mean_tokens_original=30.0,
+        mean_tokens_per_view=30.0,
+        mean_tokens_variant=30.0,
+        mean_variant_bytes=84.0,
+        padded_length=64.0,
+        variant_sample=1,
+        source="test",
+    )
+
+    def project(bucketed: float) -> dict[tuple[str, str], dict]:
+        padding = projection.PaddingRatios(random=2.0, bucketed=bucketed, window=50, source="test")
+        lengths = projection.scenario_lengths(stats, padding)
+        flops = projection.flop_table(args, [spec], lengths)
+        return {(r["scenario"], r["gpu"]): r for r in projection.training_projection(args, flops, stats)}
+
+    params = projection.non_embedding_params(projection.build_bert(spec))
+
+    def rule(length: int) -> int:
+        return projection.rule_of_thumb(params, spec.layers, spec.hidden, 1, length)[1]
+
+    loss = projection.loss_flops(6, args.per_gpu_batch, args.gpus, args.queue_size, spec.hidden) / 1e12
+    low, high, none = project(1.2), project(1.6), project(1.0)
+    for gpu in ("A100 SXM", "H100 SXM"):
+        mean, bucketed, padded = (low[s, gpu] for s in ("mean", "bucketed", "padded"))
+        assert bucketed["tokens_per_sequence"] == pytest.approx(1.2 * mean["tokens_per_sequence"])
+        assert mean["epoch_hours"] < bucketed["epoch_hours"] < padded["epoch_hours"]
+        # The encoder's FLOPs (step minus the loss formula) grow with the ratio as 6·N·T + attention does
+        # from 36 to 48 tokens: more than linearly, since attention is a large share of this narrow model.
+        encoder = bucketed["step_tflops_per_gpu"] - loss
+        grown = (high["bucketed", gpu]["step_tflops_per_gpu"] - loss) / encoder
+        expected = rule(48) / rule(36)
+        assert expected > 1.6 / 1.2
+        assert grown == pytest.approx(expected, rel=0.02)
+        # No padding in the bucketed batches costs exactly what the unpadded mean does.
+        assert none["bucketed", gpu]["epoch_hours"] == pytest.approx(none["mean", gpu]["epoch_hours"])
+
+
+def test_padding_ratios_are_labelled_and_checked(projection):
+    stats = projection.LengthStats(1, 1.0, 1.0, 1.0, 0.0, 3.0, 3.0, 3.0, 1.0, 3.0, 1, "t")
+    default = projection.parse_args([])
+    given = projection.given_padding(default)
+    figs = projection.inputs_table(default, stats, given)
+    assert figs["padded/real tokens, length-bucketed batches (window 50)"].kind == "measured"
+    assert projection.PADDING_CMD in given.source
+    changed = projection.parse_args(["--bucketed-padding", "1.5"])
+    figs = projection.inputs_table(changed, stats, projection.given_padding(changed))
+    bucketed = figs["padded/real tokens, length-bucketed batches (window 50)"]
+    assert (bucketed.value, bucketed.kind) == (1.5, "assumed")
+    with pytest.raises(SystemExit):
+        projection.parse_args(["--bucketed-padding", "0.9"])
