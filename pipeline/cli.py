@@ -105,10 +105,14 @@ def parse_cli(
             tp = field_type(cls, name)
             if last:
                 values, positional_values = positional_values, []
-                if values:
-                    overrides[name] = values if typing_is_list(tp) else _single(values)
+                if values and typing_is_list(tp):
+                    # `--inputs a b` means both: the flag's value and the words after it add up
+                    overrides[name] = _as_list(overrides.get(name, [])) + values
+                elif values:
+                    overrides[name] = _single(values, name, overrides)
             elif positional_values:
-                overrides[name] = parse_value(positional_values.pop(0), tp)
+                value = positional_values.pop(0)
+                overrides[name] = parse_value(_single([value], name, overrides), tp)
     return yaml_path, overrides
 
 
@@ -120,9 +124,13 @@ def _as_list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [value]
 
 
-def _single(values: list[str]) -> str:
+def _single(values: list[str], name: str, overrides: dict[str, Any]) -> str:
     if len(values) > 1:
         raise ConfigError(f"expected one positional argument, got {len(values)}: {' '.join(values)}")
+    if name in overrides:
+        raise ConfigError(
+            f"{name} given twice: --{name}={overrides[name]} and {values[0]!r}; keep one of them"
+        )
     return values[0]
 
 

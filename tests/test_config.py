@@ -94,3 +94,16 @@ def test_several_positionals_and_short_flags():
     assert cfg.index_dir == Path("idx")
     assert cfg.queries == ["北京天气", "上海"]
     assert cfg.k == 3
+
+
+def test_list_flag_followed_by_more_words_keeps_every_input():
+    # `preprocess --inputs a.txt b.jsonl` used to keep only b.jsonl: the words after the flag replaced it
+    cfg = build_config(Cfg, ["--inputs", "a.txt", "b.jsonl", "c.gz"], positional="inputs")
+    assert cfg.inputs == [Path("a.txt"), Path("b.jsonl"), Path("c.gz")]
+    cfg = build_config(Cfg, ["x.txt", "--inputs=a.txt", "--workers", "2"], positional="inputs")
+    assert cfg.inputs == [Path("a.txt"), Path("x.txt")] and cfg.workers == 2
+
+
+def test_single_field_given_as_flag_and_positional_is_refused():
+    with pytest.raises(ConfigError, match="name given twice"):
+        parse_cli(Cfg, ["--name=x", "y"], positional="name")
