@@ -130,6 +130,11 @@ def student_conditions() -> dict[str, Condition]:
                 "--objective.contrastive_weight=1"),  # fmt: skip
         student("s_luse_tpos", "LUSE + distillation + teacher as a positive", 4, *luse_views(2, 1),
                 "--objective.contrastive_weight=1", "--objective.teacher_positive=true"),  # fmt: skip
+        # 4 mined hard negatives per sentence are encoded too: 2 + 1 + 1 views + 4 = 8 sequences a sentence
+        student("s_luse_distill_hn", "LUSE + distillation + 4 mined hard negatives", 8, *luse_views(2, 1),
+                "--objective.contrastive_weight=1", "--data.num_hard_negatives=4"),  # fmt: skip
+        student("s_scratch_distill", "distillation into the student's architecture, random init", 1,
+                "--model.random_init=true"),  # fmt: skip
     ]
     return {c.name: c for c in rows}
 

@@ -80,7 +80,8 @@ def test_student_study_rows_are_valid_configs_at_equal_compute(quality, tmp_path
         assert _option(command, "model.name_or_path") == str(args.student)
         yaml_path, overrides = parse_cli(Config, command[2:])
         cfg = load_config(Config, yaml_path, overrides)
-        assert cfg.num_views() == cond.views, cond.name
-        assert cfg.num_views() * cfg.train.global_batch_size == 96, cond.name
+        encoded = cfg.num_views() + cfg.data.num_hard_negatives  # sequences encoded per sentence
+        assert encoded == cond.views, cond.name
+        assert encoded * cfg.train.global_batch_size == 96, cond.name
     main_job = quality.student_conditions()["s_distill"]
     assert main_job.overrides == () and main_job.config == quality.STUDENT_CONFIG

@@ -291,3 +291,34 @@ def test_seen_char_pieces_keeps_unused_pieces_of_corpus_characters(
     assert "东京" not in wide.get_vocab()  # 东 and 京 never occur in the corpus
     texts = ["q: " + t for t in CORPUS + COVERED]
     assert token_strings(wide, texts) == token_strings(plain, texts)
+
+
+def test_model_random_init_keeps_architecture_and_draws_fresh_seeded_weights(
+    wordpiece_model: Path, tmp_path: Path
+) -> None:
+    from _train_data import debug_config
+    from transformers import BertModel
+
+    from pipeline.train.build import build_encoder
+
+    def build(seed: int):
+        overrides = {"model.name_or_path": str(wordpiece_model), "model.random_init": True}
+        overrides["train.seed"] = seed
+        return build_encoder(debug_config(tmp_path, tmp_path / "no-shards", **overrides)).backbone
+
+    source = BertModel.from_pretrained(wordpiece_model, add_pooling_layer=False)
+    fresh, same_seed, other_seed = build(1), build(1), build(2)
+    want, got = dict(source.named_parameters()), dict(fresh.named_parameters())
+    assert want.keys() == got.keys() and all(want[k].shape == got[k].shape for k in want)
+    linear = "encoder.layer.0.attention.self.query.weight"
+    assert not torch.equal(got[linear], want[linear])
+    words = "embeddings.word_embeddings.weight"
+    assert not torch.equal(got[words], want[words])
+    # the architecture's own initialiser: normal(0, initializer_range) weights, unit LayerNorm, zero bias
+    assert abs(got[linear].std().item() - source.config.initializer_range) < 0.005
+    assert torch.all(got["embeddings.LayerNorm.weight"] == 1)
+    assert torch.all(got["encoder.layer.0.attention.self.query.bias"] == 0)
+    assert torch.equal(same_seed.get_parameter(linear), got[linear])
+    assert not torch.equal(other_seed.get_parameter(linear), got[linear])
+    with pytest.raises(ConfigError, match="random_init"):
+        debug_config(tmp_path, tmp_path, **{"model.random_init": True, "model.pooling": "mean"})

@@ -190,6 +190,20 @@ def build_tokenizer(cfg: Config) -> Any:
     return make_tokenizer(folder / "vocab.txt")
 
 
+def reinitialise(backbone: torch.nn.Module, seed: int) -> None:
+    """Fresh weights from the architecture's own initialiser (transformers' ``_init_weights``).
+
+    transformers marks loaded tensors ``_is_hf_initialized`` and its initialisers skip those, so the
+    marks are cleared first (without that, nothing changes).
+    """
+    for tensor in [*backbone.parameters(), *backbone.buffers()]:
+        if getattr(tensor, "_is_hf_initialized", False):
+            tensor._is_hf_initialized = False
+    torch.manual_seed(seed)
+    backbone.apply(backbone._init_weights)
+    log.info("model.random_init: every weight of the model folder re-initialised (seed %d)", seed)
+
+
 def build_encoder(cfg: Config) -> SentenceEncoder:
     m = cfg.model
     dropout = (
@@ -205,6 +219,8 @@ def build_encoder(cfg: Config) -> SentenceEncoder:
             from pipeline.model.surgery import keep_layers
 
             keep_layers(encoder.backbone, m.layers)
+        if m.random_init:
+            reinitialise(encoder.backbone, cfg.train.seed)
         return encoder
     path = resolve_path(m.scratch_config)
     if not path.is_file():

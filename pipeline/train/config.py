@@ -117,6 +117,11 @@ class ModelConfig:
         "Keep the word embeddings fixed: no gradient, no AdamW state (e5-small: 96 M of its 118 M "
         "parameters are the 250k-piece embedding matrix).",
     )
+    random_init: bool = option(
+        False,
+        "Re-initialise every weight of the model folder (seeded by train.seed), keeping its architecture, "
+        "tokenizer, pooling and prefix: the from-scratch baseline of a student cut.",
+    )
     layers: list[int] | None = option(
         None,
         "Keep only these transformer layers of the model (e.g. [0, 4, 8, 11]); empty keeps all. "
@@ -128,6 +133,8 @@ class ModelConfig:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.layers is not None and (not self.layers or sorted(set(self.layers)) != self.layers):
             raise ConfigError(f"model.layers must be increasing indices without repeats, got {self.layers}")
+        if self.random_init and not self.name_or_path:
+            raise ConfigError("model.random_init re-initialises a model folder; set model.name_or_path")
         if self.vocab_max_size < 100:
             raise ConfigError("model.vocab_max_size must be >= 100")
         if not self.name_or_path and self.pooling is None:
