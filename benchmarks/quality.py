@@ -184,6 +184,7 @@ def train_command(
         "--train.final_model=best" if args.select_best else "--train.final_model=last",
         "--train.log_every=10",
         "--data.num_workers=1",
+        *(f"--{o.removeprefix('--')}" for o in getattr(args, "set", None) or ()),
         *cond.overrides,
     ]
 
@@ -494,6 +495,10 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--student", type=Path, default=Path("runs/sample/student"), help="student folder")
     p.add_argument("--teacher", type=Path, default=Path("models/e5-small"), help="teacher folder")
+    p.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE",
+        help="config overrides for every training run, before each row's own (e.g. optim.fused=false)",
+    )  # fmt: skip
     args = p.parse_args()
     args.student, args.teacher = args.student.resolve(), args.teacher.resolve()
     args.shards, args.out = args.shards.resolve(), args.out.resolve()

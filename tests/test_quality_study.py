@@ -85,3 +85,13 @@ def test_student_study_rows_are_valid_configs_at_equal_compute(quality, tmp_path
         assert encoded * cfg.train.global_batch_size == 96, cond.name
     main_job = quality.student_conditions()["s_distill"]
     assert main_job.overrides == () and main_job.config == quality.STUDENT_CONFIG
+
+
+def test_set_overrides_reach_every_run_and_rows_still_win(quality, tmp_path):
+    args = _args(tmp_path, set=["optim.fused=false", "--data.length_bucketing=false"], student=tmp_path)
+    plain = quality.student_conditions()["s_distill"]
+    command = quality.train_command(args, plain, 1, tmp_path, 10)
+    assert _option(command, "optim.fused") == "false"
+    assert _option(command, "data.length_bucketing") == "false"
+    bucketed = quality.student_conditions()["s_distill_bucketed"]
+    assert _option(quality.train_command(args, bucketed, 1, tmp_path, 10), "data.length_bucketing") == "true"
