@@ -19,7 +19,9 @@ set -euo pipefail
 
 STATE=${SLURM_LOCAL_DIR:-/tmp/slurm-local}
 CONF=$STATE/etc/slurm.conf
-CPUS=${SLURM_LOCAL_CPUS:-$(nproc)}
+# GNU nproc honours OMP_NUM_THREADS: a cluster started from `OMP_NUM_THREADS=1 pytest` had one CPU and
+# every 2-task test job stayed pending (PartitionConfig).
+CPUS=${SLURM_LOCAL_CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
 # Memory the node offers (MB): without it SLURM assumes 1 MB and rejects any --mem request.
 MEM_MB=${SLURM_LOCAL_MEM_MB:-$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)}
 CTLD_PORT=${SLURM_LOCAL_CTLD_PORT:-6817}
