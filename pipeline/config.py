@@ -44,6 +44,9 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+YAML_BOOL_WORDS = {False: ("no", "off", "false"), True: ("yes", "on", "true")}
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against the annotation ``tp``; convert the few safe cases (int→float, str→Path)."""
     origin = typing.get_origin(tp)
@@ -63,6 +66,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 errors.append(str(exc))
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if origin is typing.Literal:
+        if isinstance(value, bool) and value not in args:
+            # YAML 1.1 reads a bare no/off/yes/on as a boolean: `mixed_precision: no` arrives as False
+            spelled = [a for a in YAML_BOOL_WORDS[value] if a in args]
+            value = spelled[0] if spelled else value
         if value not in args:
             choices = ", ".join(repr(a) for a in args)
             raise ConfigError(f"{key}: {value!r} is not one of {choices}")

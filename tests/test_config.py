@@ -107,3 +107,18 @@ def test_list_flag_followed_by_more_words_keeps_every_input():
 def test_single_field_given_as_flag_and_positional_is_refused():
     with pytest.raises(ConfigError, match="name given twice"):
         parse_cli(Cfg, ["--name=x", "y"], positional="name")
+
+
+def test_literal_no_survives_yaml_and_cli_booleans(tmp_path):
+    """YAML 1.1 reads a bare `no` as False; a choice field that offers "no" gets its word back."""
+
+    @dataclass
+    class Precision:
+        mixed_precision: Literal["no", "bf16"] = option("bf16", "precision")
+
+    y = tmp_path / "p.yaml"
+    y.write_text("mixed_precision: no\n")
+    assert load_config(Precision, y, {}).mixed_precision == "no"
+    assert build_config(Precision, ["--mixed_precision=no"]).mixed_precision == "no"
+    with pytest.raises(ConfigError, match="mixed_precision: True is not one of"):
+        build_config(Precision, ["--mixed_precision=yes"])
