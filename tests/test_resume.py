@@ -72,6 +72,7 @@ def env() -> dict[str, str]:
 
 
 BUCKETING = ["--data.length_bucketing=true", "--data.bucket_window=2"]  # 3 windows of 2 batches per epoch
+PLAIN = ["--data.length_bucketing=false"]  # seeded random batches (bucketing is the default)
 
 
 def train_args(setup, run_dir: Path, steps: int = STEPS) -> list[str]:
@@ -136,7 +137,7 @@ def consumed(run_dir: Path) -> dict[int, list[int]]:
 @pytest.fixture(scope="module")
 def uninterrupted(setup):
     run_dir = setup["root"] / "uninterrupted"
-    run_to_end(torchrun(setup, run_dir))
+    run_to_end([*torchrun(setup, run_dir), *PLAIN])
     return {"dir": run_dir, "losses": losses(run_dir), "dumps": dumps(run_dir, 2), "ids": consumed(run_dir)}
 
 
@@ -199,7 +200,7 @@ def test_kill9_at_a_random_step_then_rerun_is_exact(setup, request, bucketing):
     kill_at = random.Random(seed).randint(3, STEPS - 3)
     print(f"killing at step {kill_at} (RESUME_TEST_SEED={seed})")
     run_dir = setup["root"] / f"killed-{seed}-{'bucketed' if bucketing else 'plain'}"
-    cmd = [*torchrun(setup, run_dir), *(BUCKETING if bucketing else [])]
+    cmd = [*torchrun(setup, run_dir), *(BUCKETING if bucketing else PLAIN)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         reached = wait_for_step(run_dir, kill_at, proc)
@@ -218,7 +219,7 @@ def test_kill9_at_a_random_step_then_rerun_is_exact(setup, request, bucketing):
 @pytest.mark.parametrize("bucketing", [False, True], ids=["plain", "bucketed"])
 def test_resume_at_another_world_size_consumes_every_sample_once(setup, request, bucketing):
     uninterrupted = request.getfixturevalue("uninterrupted_bucketed" if bucketing else "uninterrupted")
-    extra = BUCKETING if bucketing else []
+    extra = BUCKETING if bucketing else PLAIN
     run_dir = setup["root"] / f"two-then-one-{'bucketed' if bucketing else 'plain'}"
     first = 4  # two processes for 4 steps (a checkpoint at the end) ...
     run_to_end([*torchrun(setup, run_dir, nproc=2, steps=first), *extra])
@@ -254,6 +255,7 @@ def test_slurm_usr1_requeue_resume_equals_uninterrupted(setup, uninterrupted):
         str(REPO / "launch" / "slurm" / "pretrain.sbatch"),
         str(REPO / "launch"),  # the driver's first argument, then the training arguments
         *train_args(setup, run_dir),
+        *PLAIN,
     )
     try:
         signalled_at = wait_for_step(run_dir, 3, timeout=300)

@@ -50,9 +50,10 @@ class DataConfig:
     )
     verify_shards: bool = option(True, "Check every shard's size and sha256 against the manifest at start.")
     length_bucketing: bool = option(
-        False,
+        True,
         "Sort each window of data.bucket_window global batches by sentence length and permute those "
-        "batches, so a batch pads little; resume stays exact (docs/DESIGN.md, 'Training data order').",
+        "batches, so a batch pads little; resume stays exact (docs/DESIGN.md, 'Training data order'). "
+        "False: batches in plain seeded random order.",
     )
     bucket_window: int = option(50, "Global batches per length-bucketing window (more = less padding).")
     teacher: str | None = option(
