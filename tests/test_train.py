@@ -253,3 +253,27 @@ def test_resume_continues_exactly(tmp_path, shards):
     assert resumed["param_checksum"] == full["param_checksum"]
     losses = lambda d: [r["loss"] for r in read_metrics(d) if "loss" in r]  # noqa: E731
     assert losses(tmp_path / "split")[-3:] == losses(tmp_path / "full")[-3:]
+
+
+def test_an_error_mid_run_stops_the_loader_workers(tmp_path, shards):
+    """Workers ignore SIGTERM (preemption signals are the main process's), so multiprocessing's exit
+    handler cannot end them: a run that raised while its loader was open hung at interpreter exit.
+    The loop now closes the loader on every way out."""
+    import multiprocessing
+
+    from accelerate.state import AcceleratorState
+
+    from pipeline.train.run import run
+
+    def fail_at_step_2(trainer, batch):
+        if trainer.state.step == 2:
+            raise RuntimeError("disk full")
+
+    cfg = debug_cfg(tmp_path, shards, **{"data.num_workers": 1, "train.max_steps": 6})
+    AcceleratorState._reset_state(True)
+    before = set(multiprocessing.active_children())
+    with pytest.raises(RuntimeError, match="disk full") as raised:
+        run(cfg, fail_at_step_2)
+    # the traceback (held by `raised`) keeps the loop's frame alive, as it does while Python exits
+    assert raised.traceback is not None
+    assert set(multiprocessing.active_children()) - before == set()

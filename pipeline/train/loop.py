@@ -8,6 +8,7 @@ the step counter or on a value broadcast from rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -213,42 +214,44 @@ def train(t: Trainer) -> int:
     # anyway: a signal is acted on up to log_every - 1 steps late (SLURM's --signal lead time covers it).
     policy = CheckpointPolicy(c.every_steps, c.every_minutes, check_every=cfg.train.log_every)
     throughput.samples0 = t.state.samples_seen
-    batches = iter(t.stream)
-    scored = cfg.train.eval_every or cfg.train.final_model == "best"
-    if t.state.step == 0 and t.state.best_step is None and scored:
-        # The initial model's score starts the eval curve and is the first best candidate: from a strong
-        # init every later step may be worse, and then the initial weights are what gets exported.
-        t.state.best_metric, t.state.best_step = evaluate(t), 0
-        if t.checkpointer is not None:
-            save_checkpoint(t, is_best=True)
-            policy.saved()
-    while t.state.step < t.total_steps:
-        batch = next(batches)
-        if t.on_batch is not None:
-            t.on_batch(t, batch)
-        out = train_step(t, batch)
-        bar.update(1)
-        step = t.state.step
-        if step % cfg.train.log_every == 0 or step == t.total_steps:
-            log_step(t, out, throughput, bar)
-        is_best = False
-        if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == t.total_steps:
-            score = evaluate(t)
-            if t.state.best_metric is None or score > t.state.best_metric:
-                t.state.best_metric, t.state.best_step, is_best = score, step, True
-        saved = t.checkpointer is not None and (policy.due(step) or is_best or step == t.total_steps)
-        if saved:
-            save_checkpoint(t, is_best)
-            policy.saved()
-        check = step % cfg.train.log_every == 0 or step == t.total_steps
-        if t.preemption is not None and check and t.preemption.should_stop():
-            if t.checkpointer is not None and not saved:
-                save_checkpoint(t)
-            log.warning("preemption requested: checkpoint saved at step %d, exiting", step)
-            return EXIT_CODE_PREEMPTED
-    bar.close()
-    finish(t)
-    return 0
+    # Closed on every way out, an exception included: the loader workers ignore SIGTERM (preemption
+    # signals are the main process's), so a worker left running would hang the interpreter's exit.
+    with contextlib.closing(iter(t.stream)) as batches:
+        scored = cfg.train.eval_every or cfg.train.final_model == "best"
+        if t.state.step == 0 and t.state.best_step is None and scored:
+            # The initial model's score starts the eval curve and is the first best candidate: from a strong
+            # init every later step may be worse, and then the initial weights are what gets exported.
+            t.state.best_metric, t.state.best_step = evaluate(t), 0
+            if t.checkpointer is not None:
+                save_checkpoint(t, is_best=True)
+                policy.saved()
+        while t.state.step < t.total_steps:
+            batch = next(batches)
+            if t.on_batch is not None:
+                t.on_batch(t, batch)
+            out = train_step(t, batch)
+            bar.update(1)
+            step = t.state.step
+            if step % cfg.train.log_every == 0 or step == t.total_steps:
+                log_step(t, out, throughput, bar)
+            is_best = False
+            if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == t.total_steps:
+                score = evaluate(t)
+                if t.state.best_metric is None or score > t.state.best_metric:
+                    t.state.best_metric, t.state.best_step, is_best = score, step, True
+            saved = t.checkpointer is not None and (policy.due(step) or is_best or step == t.total_steps)
+            if saved:
+                save_checkpoint(t, is_best)
+                policy.saved()
+            check = step % cfg.train.log_every == 0 or step == t.total_steps
+            if t.preemption is not None and check and t.preemption.should_stop():
+                if t.checkpointer is not None and not saved:
+                    save_checkpoint(t)
+                log.warning("preemption requested: checkpoint saved at step %d, exiting", step)
+                return EXIT_CODE_PREEMPTED
+        bar.close()
+        finish(t)
+        return 0
 
 
 def finish(t: Trainer) -> None:
