@@ -122,7 +122,12 @@ def student_conditions() -> dict[str, Condition]:
         student("s_luse", "LUSE k=2 EDA + 1 dropout view", 4, *luse_views(2, 1),
                 "--objective.contrastive_weight=1", *off),  # fmt: skip
         student("s_distill", "embedding distillation (cosine) alone = main job", 1),
+        student("s_distill_lr1e-4", "distillation at the previous recipe: lr 1e-4, dropout 0.1, fp32", 1,
+                "--optim.lr=1e-4", "--model.dropout=0.1", "--train.mixed_precision=no"),  # fmt: skip
         student("s_distill_bucketed", "distillation, length-bucketed batches", 1,
+                "--data.length_bucketing=true"),  # fmt: skip
+        student("s_luse_bucketed", "LUSE k=2 EDA + 1 dropout view, length-bucketed batches", 4,
+                *luse_views(2, 1), "--objective.contrastive_weight=1", *off,
                 "--data.length_bucketing=true"),  # fmt: skip
         student("s_kl", "in-batch similarity KL alone", 1, *off, "--objective.kl_weight=1"),
         student("s_distill_kl", "distillation + KL", 1, "--objective.kl_weight=1"),
