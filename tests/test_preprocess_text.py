@@ -7,12 +7,16 @@ from pipeline.errors import InputError
 from pipeline.preprocess.passes import partition_of, shuffle_keys, text_ids
 from pipeline.preprocess.readers import Unit, detect_format, iter_lines, line_number_base, plan_units
 from pipeline.preprocess.text import (
+    Cleaner,
     cjk_count,
     clean_paragraphs,
+    convert_language_markup,
     filter_sentences,
     normalise,
+    remove_empty_brackets,
     remove_whitespace,
     split_sentences,
+    strip_html,
 )
 from pipeline.shards import sentence_id
 
@@ -28,6 +32,59 @@ def test_whitespace_removed_in_chinese_kept_between_latin_words():
     assert remove_whitespace("我 爱\t北京　天安门") == "我爱北京天安门"
     assert remove_whitespace("使用 Windows 10 系统 和 New  York") == "使用Windows 10系统和New York"
     assert clean_paragraphs(["１９９８年　新年\n\n  第二段 "]) == ["1998年新年", "第二段"]
+
+
+def test_accented_latin_keeps_its_space_and_clause_spaces_become_commas():
+    # the example (a space after an accented letter used to be dropped)
+    assert remove_whitespace("法国学者 René Worms 创办") == "法国学者René Worms创办"
+    assert remove_whitespace("Söderling ist ein Tennisspieler") == "Söderling ist ein Tennisspieler"
+    # a lone space between two Chinese clauses stands for a comma ...
+    title = remove_whitespace("故宫淡季门票40元 “黑导游”卖外地客140元")
+    assert title == "故宫淡季门票40元，“黑导游”卖外地客140元"
+    # ... but word-segmented text (a space every word or two) is only joined
+    assert remove_whitespace("我 爱 北京 天安门 广场") == "我爱北京天安门广场"
+
+
+def test_wiki_language_conversion_keeps_the_simplified_variant():
+    assert convert_language_markup("-{zh-cn:域;zh-tw:体}-名") == "域名"
+    assert convert_language_markup("-{zh-hant:軟體; zh-hans:软件;}-工程") == "软件工程"
+    assert convert_language_markup("-{zh-tw:程式碼;zh-hk:程式碼;}-") == "程式碼"  # no simplified variant
+    assert convert_language_markup("村-{庄}-和-{FIFA}-") == "村庄和FIFA"
+    assert convert_language_markup("罗宾·-{A|zh-hk:苏达宁;zh-hans:索德林;}-") == "罗宾·索德林"
+    # a page-wide rule shows nothing
+    assert convert_language_markup("-{H|zh-cn:记忆体;zh-tw:内存;}-内存条") == "内存条"
+    assert convert_language_markup("-{R|zh-cn:x}-") == "zh-cn:x"  # raw
+    nested = convert_language_markup("外-{zh-cn:内-{x}-层;zh-tw:內層}-，西屯-{}-里，断开的-{zh-cn:")
+    assert nested == "外内x层，西屯里，断开的zh-cn:"
+
+
+def test_html_tags_and_entities():
+    assert strip_html("创作？<br>如果有，<BR/>写出<br />作品") == "创作？\n如果有，\n写出\n作品"
+    assert strip_html("<poem>床前明月光</poem>前<nowiki>-{x}-</nowiki>后") == "\n床前明月光\n前-{x}-后"
+    assert strip_html('正文<ref name="a">引用</ref>继续<ref name="b"/>。<!-- 注释 -->') == "正文继续。"
+    assert strip_html("当a<b且b>c时") == "当a<b且b>c时"  # not a tag
+    cleaner = Cleaner()
+    assert cleaner.paragraphs("中新网3月28日电 &nbsp;据丹麦驻华大使馆&amp;中国<b>消息</b>") == [
+        "中新网3月28日电，据丹麦驻华大使馆&中国消息"
+    ]
+    assert cleaner.audit()["rules"] == {"clause_spaces": 1, "html_entities": 1, "html_tags": 1}
+
+
+def test_empty_brackets_and_separators_at_bracket_edges():
+    assert remove_empty_brackets("佩图拉·克拉克，CBE（，）是英国歌手「」") == "佩图拉·克拉克，CBE是英国歌手"
+    edges = remove_empty_brackets("罗宾（Robin Söderling，），协会（，OSTA）")
+    assert edges == "罗宾（Robin Söderling），协会（OSTA）"
+    assert remove_empty_brackets("函数f()和（注）") == "函数f和（注）"
+
+
+def test_sentence_split_does_not_cut_before_a_comma_or_after_an_ellipsis_in_brackets():
+    assert split_sentences("她说：“我爱你！”，他就昏倒了。真的吗？」、对。") == [
+        "她说：“我爱你！”，他就昏倒了。",
+        "真的吗？」、对。",
+    ]
+    assert split_sentences("（甲，乙……）里开了脑洞。下一句。") == ["（甲，乙……）里开了脑洞。", "下一句。"]
+    assert split_sentences("，、开头的标点不要。") == ["开头的标点不要。"]
+    assert split_sentences("）」后面也是。") == ["后面也是。"]
 
 
 def test_sentence_split_keeps_closing_quotes_and_terminator_runs():
@@ -98,6 +155,20 @@ def test_over_long_line_is_flagged_not_loaded(tmp_path):
     assert got == [(1, b"ok\n"), (2, None), (3, b"after\n")]
 
 
+def test_cjk_share_counts_words_and_numbers_not_characters():
+    sentences = [
+        "使用Windows 10系统的人很多。",  # 8 CJK of 10 units (old rule: 8 of 17 characters, dropped)
+        "2009年10月16日，宣布George Mulligan接替路易斯·卡尔德拉。",
+        "In Italy, there is no real public pressure.",
+        "12.5 13.6 14.7 15.8 单位",  # numbers are units too: a table row stays out
+        "2014、2015、2016",
+        "ようこそ日本へ、東京です。",
+    ]
+    kept, dropped, masks = filter_sentences(sentences, min_chars=5, max_chars=256, min_cjk_ratio=0.5)
+    assert kept == sentences[:2]
+    assert dropped["low_cjk"] == 4 and masks["low_cjk"].tolist() == [False, False, True, True, True, True]
+
+
 def test_filter_sentences_counts_each_drop_once():
     sentences = [
         "短句。",
@@ -106,7 +177,7 @@ def test_filter_sentences_counts_each_drop_once():
         "长" * 31,
         "𠀀𠀁𠀂𠀃𠀄ab",
     ]
-    kept, dropped = filter_sentences(sentences, min_chars=5, max_chars=30, min_cjk_ratio=0.5)
+    kept, dropped, _ = filter_sentences(sentences, min_chars=5, max_chars=30, min_cjk_ratio=0.5)
     assert kept == ["这是一个足够长的中文句子。", "𠀀𠀁𠀂𠀃𠀄ab"]  # astral ideographs are one character each
     assert dropped == {"too_short": 1, "too_long": 1, "low_cjk": 1}
     assert [cjk_count(s) for s in kept] == [12, 5]

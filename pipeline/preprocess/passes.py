@@ -39,13 +39,23 @@ import pyarrow.compute as pc
 from pipeline.errors import InputError
 from pipeline.io import atomic_write, atomic_write_json, temporary_name
 from pipeline.preprocess.readers import SOURCES, Unit, iter_lines, line_number_base
-from pipeline.preprocess.text import clean_paragraphs, filter_sentences, has_control, split_sentences
+from pipeline.preprocess.text import (
+    SAMPLES_PER_RULE,
+    Cleaner,
+    ends_sentence,
+    filter_sentences,
+    has_control,
+    split_sentences,
+)
 from pipeline.shards import BASE_SCHEMA, shard_name, write_shard
 
 Progress = Callable[[int], None]
 
 RECORD_REASONS = ("empty", "invalid_utf8", "bad_json", "missing_field", "too_long_record", "unreadable")
-SENTENCE_REASONS = ("too_short", "too_long", "low_cjk", "duplicate")
+# title: a wiki_zh article's first line (its title); truncated: the unterminated last sentence of a
+# field cut at a fixed length (``truncated_fields``); near_duplicate: see ``neardup.py``.
+SENTENCE_REASONS = ("too_short", "too_long", "low_cjk", "title", "truncated", "duplicate", "near_duplicate")
+CLEANING_RULES = Cleaner.RULES
 EXAMPLES_PER_UNIT = 3  # bad records named (file:line) per unit in the log
 
 FLUSH_SENTENCES = 1 << 15  # split sentences filtered, hashed and routed per batch
@@ -68,6 +78,8 @@ class Filters:
     num_partitions: int
     seed: int
     strict: bool
+    to_simplified: bool = False
+    truncated_fields: tuple[str, ...] = ()  # "collection.field" whose unterminated tail is dropped
 
 
 # --------------------------------------------------------------------------------------------- layout
@@ -205,10 +217,21 @@ class _BadRecords:
 
 
 def _filter_and_add(
-    candidates: list[str], filters: Filters, counts: Counter, writer: _PartitionWriter, progress: Progress
+    candidates: list[str],
+    filters: Filters,
+    counts: Counter,
+    writer: _PartitionWriter,
+    cleaner: Cleaner,
+    progress: Progress,
 ) -> None:
-    kept, dropped = filter_sentences(candidates, filters.min_chars, filters.max_chars, filters.min_cjk_ratio)
+    kept, dropped, masks = filter_sentences(
+        candidates, filters.min_chars, filters.max_chars, filters.min_cjk_ratio
+    )
     counts.update(dropped)
+    for reason, mask in masks.items():
+        if dropped[reason] and cleaner.wants(reason):
+            for i in np.flatnonzero(mask)[:3].tolist():
+                cleaner.note_drop(reason, candidates[i])
     if kept:
         writer.add(kept)
     progress(len(candidates))
@@ -220,8 +243,9 @@ def split_unit(work: Path, index: int, unit: Unit, filters: Filters, progress: P
     counts: Counter = Counter()
     bad = _BadRecords(unit, counts, filters.strict)
     writer = _PartitionWriter(arrow_path, filters)
+    cleaner = Cleaner(filters.to_simplified)
     try:
-        _read_unit(unit, filters, counts, bad, writer, progress)
+        _read_unit(unit, filters, counts, bad, writer, cleaner, progress)
         batches = writer.close()
     except BaseException:
         writer.abort()
@@ -232,6 +256,7 @@ def split_unit(work: Path, index: int, unit: Unit, filters: Filters, progress: P
         "counts": dict(sorted(counts.items())),
         "batches": batches,
         "examples": bad.examples,
+        "audit": cleaner.audit(),
         "bytes": arrow_path.stat().st_size,
     }
     write_json(json_path, result)
@@ -244,15 +269,18 @@ def _read_unit(
     counts: Counter,
     bad: _BadRecords,
     writer: _PartitionWriter,
+    cleaner: Cleaner,
     progress: Progress,
 ) -> None:
     fields = None if unit.format == "plain" else filters.fields[unit.format]
     field_list = ", ".join(fields or [])
+    tails = {f.split(".", 1)[1] for f in filters.truncated_fields if f.split(".", 1)[0] == unit.format}
     candidates: list[str] = []  # split sentences waiting for the (vectorised) length and CJK filters
     number = 0
     try:
         for number, line, _ in iter_lines(unit, filters.max_record_bytes):
             counts["records"] += 1
+            dropped = counts["title"] + counts["truncated"]  # sentences this record drops before filtering
             if line is None:
                 bad(number, "too_long_record", f"longer than max_record_bytes={filters.max_record_bytes}")
                 continue
@@ -267,7 +295,7 @@ def _read_unit(
                 counts["empty"] += 1  # blank lines are normal between paragraphs: counted, not reported
                 continue
             if fields is None:
-                values = [text]
+                values = [("", text)]
             else:
                 try:
                     obj = json.loads(text)
@@ -277,29 +305,53 @@ def _read_unit(
                 if not isinstance(obj, dict):
                     bad(number, "bad_json", f"a JSON {type(obj).__name__}, not an object")
                     continue
-                values = [v for f in fields if isinstance(v := obj.get(f), str)]
+                values = [(f, v) for f in fields if isinstance(v := obj.get(f), str)]
                 if not values:
                     bad(number, "missing_field", f"none of the text fields ({field_list}) is a string")
                     continue
-            if any(map(has_control, values)):
+                if unit.format == "wiki_zh":
+                    values = _without_title(values, obj.get("title"), counts, cleaner)
+            if any(has_control(v) for _, v in values):
                 counts["control_chars"] += 1  # removed by normalisation; the record is kept
             before = len(candidates)
-            for paragraph in clean_paragraphs(values):
-                candidates += split_sentences(paragraph)
-            split = len(candidates) - before
+            for field, value in values:
+                start = len(candidates)
+                for paragraph in cleaner.paragraphs(value):
+                    candidates += split_sentences(paragraph)
+                if field in tails and len(candidates) > start and not ends_sentence(candidates[-1]):
+                    counts["truncated"] += 1  # cut off mid-sentence at the collection's length limit
+                    cleaner.note_drop("truncated", candidates.pop())
+            split = len(candidates) - before + counts["title"] + counts["truncated"] - dropped
             if split == 0:
                 counts["empty"] += 1
                 continue
             counts["records_with_text"] += 1
             counts["sentences_split"] += split
             if len(candidates) >= FLUSH_SENTENCES:
-                _filter_and_add(candidates, filters, counts, writer, progress)
+                _filter_and_add(candidates, filters, counts, writer, cleaner, progress)
                 candidates = []
     except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
         # A truncated or corrupt compressed stream: keep every record read before the damage.
         bad(number + 1, "unreadable", f"stream cannot be read further ({exc}); later records are lost")
     if candidates:
-        _filter_and_add(candidates, filters, counts, writer, progress)
+        _filter_and_add(candidates, filters, counts, writer, cleaner, progress)
+
+
+def _without_title(
+    values: list[tuple[str, str]], title: Any, counts: Counter, cleaner: Cleaner
+) -> list[tuple[str, str]]:
+    """wiki_zh ``text`` starts with the article's title on a line of its own: a heading, not a
+    sentence. It is taken off and counted (reason ``title``)."""
+    if not isinstance(title, str) or not title.strip():
+        return values
+    out = []
+    for field, value in values:
+        if field == "text" and value.startswith(title) and value[len(title) : len(title) + 1] in ("\n", ""):
+            value = value[len(title) :]
+            counts["title"] += 1
+            cleaner.note_drop("title", title)
+        out.append((field, value))
+    return out
 
 
 # --------------------------------------------------------------------------------------------- pass 2
@@ -337,6 +389,8 @@ def dedup_partition(
         text = table["text"]
         equal = pc.equal(text.take(order[same_key]), text.take(order[same_key - 1]))
         keep[same_key[equal.to_numpy(zero_copy_only=False)]] = False
+    duplicates = np.flatnonzero(~keep)[:SAMPLES_PER_RULE]
+    samples = {"duplicate": table["text"].take(order[duplicates]).to_pylist()} if len(duplicates) else {}
     final = order[keep]
     source_names = pc.take(pa.array(SOURCES, pa.string()), pa.array(src[final]))
     kept = table.take(final)
@@ -352,6 +406,7 @@ def dedup_partition(
         "partition": part,
         "rows_in": rows_in,
         "unique": out.num_rows,
+        "samples": samples,
         "bytes": arrow_path.stat().st_size,
     }
     write_json(json_path, result)

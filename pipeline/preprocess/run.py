@@ -84,7 +84,17 @@ class Config:
     text_fields: TextFields = option(factory=TextFields, help="Fields that become text, per collection.")
     min_chars: int = option(5, "Drop sentences shorter than this many characters.")
     max_chars: int = option(256, "Drop sentences longer than this many characters.")
-    min_cjk_ratio: float = option(0.5, "Drop sentences with a smaller share of CJK ideographs (0-1).")
+    min_cjk_ratio: float = option(
+        0.5,
+        "Drop sentences in which CJK ideographs make a smaller share of the units (0-1); a unit is an "
+        "ideograph, a Latin word, a number or another script's letter (punctuation counts for nothing).",
+    )
+    truncated_fields: list[str] = option(
+        ["webtext2019zh.content"],
+        "collection.field values cut at a fixed length: their unterminated last sentence is dropped "
+        "(truncated); [] keeps every tail.",
+    )
+    to_simplified: bool = option(False, "Convert traditional to simplified Chinese (OpenCC t2s).")
     max_record_bytes: int = option(4 << 20, "Longer input lines are dropped and counted (too_long_record).")
     chunk_bytes: int = option(4 << 20, "Uncompressed files are split into units of this many bytes.")
     num_partitions: int = option(0, "Hash partitions for dedup (0 = about one per 16 MB of input).")
@@ -114,6 +124,13 @@ class Config:
             raise ConfigError(f"max_chars ({self.max_chars}) must be >= min_chars ({self.min_chars})")
         if not 0.0 <= self.min_cjk_ratio <= 1.0:
             raise ConfigError(f"min_cjk_ratio must be in [0, 1], got {self.min_cjk_ratio}")
+        for name in self.truncated_fields:
+            collection, _, field = name.partition(".")
+            if collection not in COLLECTIONS or not field:
+                raise ConfigError(
+                    f"truncated_fields: {name!r} is not collection.field with a collection of "
+                    f"{', '.join(COLLECTIONS)} (e.g. webtext2019zh.content)"
+                )
         if self.max_record_bytes < 1024:
             raise ConfigError(f"max_record_bytes must be >= 1024, got {self.max_record_bytes}")
         if self.chunk_bytes < 1 << 16:
@@ -161,7 +178,7 @@ def _is_ours(path: Path, cfg: Config) -> bool:
     name = path.name
     return (
         (name == WORK_DIR_NAME and cfg.work_dir is None)
-        or (name.startswith("shard-") and name.endswith(".tar"))
+        or name.startswith("shard-")  # shard-*.tar and whatever write_shard writes beside it
         or (name.startswith(".shard-") or name.startswith(f".{MANIFEST}.tmp-"))
         or name == MANIFEST
     )
@@ -271,6 +288,8 @@ def _split_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
         num_partitions=plan.num_partitions,
         seed=cfg.seed,
         strict=cfg.strict,
+        to_simplified=cfg.to_simplified,
+        truncated_fields=tuple(cfg.truncated_fields),
     )
     mine = _mine(cfg, len(plan.units))
     todo = [u for u in mine if not passes.is_done(*passes.split_paths(cfg.work, u))]
@@ -339,7 +358,8 @@ def _finalize(cfg: Config, plan: Plan, elapsed: float) -> None:
     shards = [(cfg.out / shard_name(s), passes.shard_entry_path(cfg.work, s)) for s in range(num_shards)]
     entries = _require(cfg, "shards", shards)
     counts = summed_counts([u["counts"] for u in units], parts)
-    manifest = new_manifest("preprocess", output_config(cfg), entries, counts=counts)
+    audit = merged_audit(units, parts)
+    manifest = new_manifest("preprocess", output_config(cfg), entries, counts=counts, audit=audit)
     atomic_write_json(cfg.out / MANIFEST, manifest)
     # The manifest is down: the intermediate files and any temporary file of a killed writer can go.
     shutil.rmtree(cfg.work, ignore_errors=True)
@@ -363,6 +383,31 @@ def _finalize(cfg: Config, plan: Plan, elapsed: float) -> None:
         elapsed,
         cfg.out,
     )
+    rules = ", ".join(f"{k} {v:,}" for k, v in audit["rules"].items() if v) or "none"
+    log.info("cleaning rules applied (fields changed): %s; examples in manifest.json audit.samples", rules)
+
+
+def merged_audit(units: list[dict[str, Any]], parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest's ``audit``: per cleaning rule the fields it changed, and for every rule and drop
+    reason the first few examples (units, then partitions, in order: the same for any worker count)."""
+    rules: Counter = Counter({r: 0 for r in passes.CLEANING_RULES})
+    samples: dict[str, list[Any]] = {}
+
+    def add(name: str, examples: list[Any]) -> None:
+        have = samples.setdefault(name, [])
+        have.extend(examples[: passes.SAMPLES_PER_RULE - len(have)])
+
+    for unit in units:
+        audit = unit.get("audit", {})
+        rules.update(audit.get("rules", {}))
+        for name, examples in audit.get("samples", {}).items():
+            add(name, examples)
+        for example in unit.get("examples", []):  # bad records: "file:line: reason: detail"
+            add(example.split(": ", 2)[1] if example.count(": ") >= 2 else "bad_record", [example])
+    for part in parts:
+        for name, examples in part.get("samples", {}).items():
+            add(name, examples)
+    return {"rules": dict(rules), "samples": dict(sorted(samples.items()))}
 
 
 def summed_counts(unit_counts: list[dict[str, int]], parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -372,7 +417,8 @@ def summed_counts(unit_counts: list[dict[str, int]], parts: list[dict[str, Any]]
         total.update(counts)
     rows_in = sum(p["rows_in"] for p in parts)
     kept = sum(p["unique"] for p in parts)
-    total["duplicate"] = rows_in - kept
+    total["near_duplicate"] = sum(p.get("near_duplicate", 0) for p in parts)
+    total["duplicate"] = rows_in - kept - total["near_duplicate"]
     dropped = {r: total[r] for r in (*passes.RECORD_REASONS, *passes.SENTENCE_REASONS)}
     return {
         "records": total["records"],

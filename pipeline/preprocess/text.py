@@ -1,17 +1,27 @@
-"""Text cleaning for Chinese: normalisation, whitespace removal, sentence splitting, filters.
+"""Text cleaning for Chinese: markup removal, normalisation, whitespace, sentence splitting, filters.
 
 Everything here runs once per record in the hot path of pass 1, so it is built from precompiled
 regular expressions, ``str.replace`` and numpy (all loop in C) rather than per-character Python;
-the length and CJK filters work on a whole batch of sentences at once.
+the length and CJK filters work on a whole batch of sentences at once. A field goes through the
+markup rules only when one cheap search finds something they could change.
+
+``Cleaner`` applies the rules and keeps the audit: how many fields each rule changed and the first
+few examples (before -> after), which end up in the manifest.
 """
 
 from __future__ import annotations
 
+import html
 import itertools
 import re
+from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
+
+SAMPLES_PER_RULE = 3  # examples kept per cleaning rule or drop reason (per unit, then per run)
+SAMPLE_CHARS = 80  # an example is cut to about this many characters
 
 
 def _char_class(codepoints: Iterable[int]) -> str:
@@ -51,13 +61,78 @@ _WHITESPACE_RE = re.compile(
     )[:-1]
     + "\u2000-\u200a\u205f\u3000]+"
 )
-# A space survives only between two pieces of Latin text ("Windows 10", "New York"); every other
+_CJK = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+# Latin letters: ASCII and the accented ones (Latin-1 Supplement and Extended-A/B), so "René Worms"
+# keeps its space like "New York".
+_LATIN = "A-Za-z\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u024f"
+# A space survives only between two pieces of Latin text ("Windows 10", "René Worms"); every other
 # space (next to a Chinese character or Chinese punctuation) is removed, as in LUSE's corpus.
-_DROP_SPACE_RE = re.compile(r"(?<![A-Za-z0-9.,;:!?%)\]'\"]) | (?![A-Za-z0-9(\['\"])")
+_DROP_SPACE_RE = re.compile(rf"(?<![{_LATIN}0-9.,;:!?%)\]'\"]) | (?![{_LATIN}0-9(\['\"])")
+# A space between two Chinese clauses (web QA text often separates clauses with a space instead of
+# a comma: "故宫淡季门票40元 “黑导游”卖外地客140元"). It becomes "，" when the spaces in the line are
+# rare (on average at least CLAUSE_CHARS Chinese characters per piece); a line with a space every
+# word or two is word-segmented text, whose spaces are simply removed.
+_CLAUSE_GAP_RE = re.compile(rf"(?<=[{_CJK}”」』）》]) (?=[{_CJK}“「『（《])")
+CLAUSE_CHARS = 6
 
+# --------------------------------------------------------------------------------------------- markup
+# MediaWiki language conversion, innermost first: -{zh-cn:域;zh-tw:体}-, -{A|zh-hans:…;zh-hant:…}-,
+# -{庄}-, -{}-. The simplified variant is kept (in this order of preference), else the first one.
+_LANG_CONV_RE = re.compile(r"-\{([^{}]*)\}-")
+_VARIANT_RE = re.compile(r"\s*(zh(?:-[A-Za-z]+)?)\s*:(.*)", re.S)
+_FLAGS_RE = re.compile(r"[A-Za-z;\s\-]*")
+VARIANT_PREFERENCE = ("zh-cn", "zh-hans", "zh-sg", "zh-my", "zh", "zh-hant", "zh-tw", "zh-hk", "zh-mo")
+# Tags whose content is not running text (citations, formulas, scripts, comments): removed whole.
+_DROPPED_ELEMENT_RE = re.compile(
+    r"<!--.*?(?:-->|$)|<(ref|math|script|style|gallery|timeline|templatestyles|score|graph)\b[^<>]*?/>"
+    r"|<(ref|math|script|style|gallery|timeline|templatestyles|score|graph)\b[^<>]*>.*?(?:</\2\s*>|$)",
+    re.I | re.S,
+)
+# Tags that break a line (the text on either side is a separate paragraph) ...
+_BLOCK_TAG_RE = re.compile(
+    r"</?(?:br|p|div|poem|blockquote|li|ul|ol|dl|dd|dt|tr|td|th|table|tbody|thead|caption|h[1-6]|hr|"
+    r"center|pre|section|references)\b[^<>]*>",
+    re.I,
+)
+# ... and inline tags, removed with their content kept (<nowiki>-{x}-</nowiki> keeps -{x}-, etc.).
+_INLINE_TAG_RE = re.compile(
+    r"</?(?:a|b|i|u|s|em|strong|small|big|sup|sub|font|span|nowiki|code|tt|del|ins|strike|abbr|cite|q|"
+    r"mark|wbr|img|ruby|rt|rp|var|kbd|samp|noinclude|includeonly|onlyinclude|syntaxhighlight|source|"
+    r"chem|ce|hiero|indicator)\b[^<>]*>",
+    re.I,
+)
+_ENTITY_RE = re.compile(r"&(?:#\d{1,7}|#[xX][0-9a-fA-F]{1,6}|[A-Za-z][A-Za-z0-9]{1,31});")
+# Brackets the wiki extractor emptied (a removed date or name leaves "（）", "（，）", "「」"), and
+# separators left at the inside edge of a bracket ("（Robin Söderling，）").
+_EMPTY_BRACKETS_RE = re.compile(
+    r"[（(][\s，,、；;：:]*[）)]|「\s*」|『\s*』|【\s*】|《\s*》|〈\s*〉|“\s*”|‘\s*’|\[\s*\]"
+)
+_SEPARATORS = r"\s，,、；;：:"
+_BRACKET_EDGE_RE = re.compile(
+    rf"(?<=[（(])[{_SEPARATORS}]+(?=[^{_SEPARATORS}）)])|(?<=[^{_SEPARATORS}（(])[{_SEPARATORS}]+(?=[）)])"
+)
+# One search that says whether any markup rule could apply (most fields: no, and nothing else runs).
+_MARKUP_HINT_RE = re.compile(
+    rf"-\{{|\}}-|<[A-Za-z/!]|&[#A-Za-z]|[（(「『【《〈“‘\[][{_SEPARATORS}]*[）)」』】》〉”’\]]"
+    rf"|[（(][{_SEPARATORS}]|[{_SEPARATORS}][）)]"
+)
+
+# --------------------------------------------------------------------------------------------- split
 # A sentence ends with a run of terminators (。！？；… and their half-width forms, so "！？" and
-# "……" stay one end); closing quotes and brackets that follow belong to the same sentence.
-_SENTENCE_RE = re.compile(r"[^。！？；!?;…]*(?:[。！？；!?;…]+[”’」』）)】》〕〗〉\"']*)?")
+# "……" stay one end); closing quotes and brackets that follow belong to the same sentence. It does
+# not end there when what follows continues it: a comma, enumeration comma or colon ("“好！”，他说"),
+# or after an ellipsis, a closing bracket or quote and more text ("（甲，乙……）里" is an enumeration).
+# Separators and closing marks at the start of a sentence are dropped (outside the captured group).
+_TERMINATORS = "。！？；!?;…"
+_CLOSERS = "”’」』）)】》〕〗〉\"'"
+_CONTINUATION = "，、,：:"
+_LEADING = "，、,：:；;" + _CLOSERS.replace('"', "").replace("'", "")
+_SENTENCE_RE = re.compile(
+    rf"[{_LEADING}]*("
+    rf"(?:[^{_TERMINATORS}]+|[{_TERMINATORS}]+[{_CLOSERS}]*(?=[{_CONTINUATION}])|…+[{_CLOSERS}]+(?=[^{_TERMINATORS}]))*"
+    rf"(?:[{_TERMINATORS}]+[{_CLOSERS}]*)?)"
+)
+_ENDS_SENTENCE = tuple(_TERMINATORS + _CLOSERS)
 
 # CJK ideographs: the unified block, extensions A-F and the compatibility ideographs.
 _NON_CJK_RE = re.compile(r"[^\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ebef]+")
@@ -75,15 +150,66 @@ def normalise(text: str) -> str:
 
 
 def remove_whitespace(text: str) -> str:
-    """Drop whitespace inside Chinese text; keep one space between two Latin words."""
+    """Drop whitespace inside Chinese text; keep one space between two Latin words; a space between
+    two Chinese clauses becomes "，" unless the line looks word-segmented (see ``CLAUSE_CHARS``)."""
     if _WHITESPACE_RE.search(text) is None:
         return text
-    return _DROP_SPACE_RE.sub("", _WHITESPACE_RE.sub(" ", text).strip())
+    text = _WHITESPACE_RE.sub(" ", text).strip()
+    gaps = len(_CLAUSE_GAP_RE.findall(text))
+    if gaps and cjk_count(text) >= CLAUSE_CHARS * (gaps + 1):
+        text = _CLAUSE_GAP_RE.sub("，", text)
+    return _DROP_SPACE_RE.sub("", text)
 
 
 def split_sentences(paragraph: str) -> list[str]:
     """Split one cleaned paragraph (no newlines) into sentences, terminators kept at the end."""
     return [s for s in _SENTENCE_RE.findall(paragraph) if s]
+
+
+def _conversion(match: re.Match) -> str:
+    """One -{...}- block -> the text MediaWiki shows a reader of simplified Chinese."""
+    body = match.group(1)
+    flags, bar, rest = body.partition("|")
+    if bar and _FLAGS_RE.fullmatch(flags):
+        letters = set(flags.upper())
+        if letters & {"H", "T", "-"}:  # a page-wide rule, a title rule or a rule removal: shows nothing
+            return ""
+        if "R" in letters:  # raw: shown as written
+            return rest
+        body = rest
+    variants: dict[str, str] = {}
+    for item in body.split(";"):
+        found = _VARIANT_RE.match(item)
+        if found:
+            variants.setdefault(found.group(1).lower(), found.group(2).strip())
+    if not variants:  # -{庄}-, -{FIFA}-: protected from conversion, shown as written
+        return body
+    for code in VARIANT_PREFERENCE:
+        if code in variants:
+            return variants[code]
+    return next(iter(variants.values()))
+
+
+def convert_language_markup(text: str) -> str:
+    for _ in range(4):  # nested blocks, innermost first; real text nests at most twice
+        converted = _LANG_CONV_RE.sub(_conversion, text)
+        if converted == text:
+            break
+        text = converted
+    return text.replace("-{", "").replace("}-", "")  # a block cut off by truncation
+
+
+def strip_html(text: str) -> str:
+    if "<" not in text:
+        return text
+    text = _DROPPED_ELEMENT_RE.sub("", text)
+    text = _BLOCK_TAG_RE.sub("\n", text)
+    return _INLINE_TAG_RE.sub("", text)
+
+
+def remove_empty_brackets(text: str) -> str:
+    text = _BRACKET_EDGE_RE.sub("", text)
+    return _EMPTY_BRACKETS_RE.sub("", text)
 
 
 def cjk_count(text: str) -> int:
@@ -99,43 +225,184 @@ def _is_cjk(codes: np.ndarray) -> np.ndarray:
     )
 
 
+def _is_latin(codes: np.ndarray) -> np.ndarray:
+    lower = codes | 0x20  # ASCII upper -> lower
+    return ((lower >= 0x61) & (lower <= 0x7A)) | (
+        (codes >= 0xC0) & (codes <= 0x24F) & (codes != 0xD7) & (codes != 0xF7)
+    )
+
+
+def _is_other_letter(codes: np.ndarray) -> np.ndarray:
+    """Letters of other scripts (Greek to Ethiopic, kana, hangul): each one counts as a unit."""
+    return (
+        ((codes >= 0x370) & (codes < 0x2000))
+        | ((codes >= 0x3040) & (codes < 0x3100))
+        | ((codes >= 0x3130) & (codes < 0x3190))
+        | ((codes >= 0xAC00) & (codes < 0xD7B0))
+    )
+
+
+def _run_starts(mask: np.ndarray, sentence_starts: np.ndarray) -> np.ndarray:
+    """True where a run of ``mask`` begins (a run never continues across a sentence boundary)."""
+    starts = mask.copy()
+    starts[1:] &= ~mask[:-1]
+    starts[sentence_starts] = mask[sentence_starts]
+    return starts
+
+
 def filter_sentences(
     sentences: list[str], min_chars: int, max_chars: int, min_cjk_ratio: float
-) -> tuple[list[str], dict[str, int]]:
-    """Keep sentences of min..max characters with at least ``min_cjk_ratio`` CJK ideographs.
+) -> tuple[list[str], dict[str, int], dict[str, np.ndarray]]:
+    """Keep sentences of min..max characters in which CJK ideographs make ``min_cjk_ratio`` of the units.
 
-    Returns the kept sentences (in order) and the drop counts (too_short, too_long, low_cjk; each
-    sentence counted once, under the first rule it fails). Vectorised: the batch is encoded once as
-    UTF-32 (one code unit per character) and the CJK test is a numpy comparison.
+    Units are what a reader sees as words: each CJK ideograph, each run of Latin letters (a word:
+    "Windows", "René"), each run of digits (a number), each letter of another script. Punctuation,
+    symbols and spaces count for nothing, so "使用Windows 10系统" has 4 CJK of 6 units, while an
+    English sentence or a row of numbers has (nearly) none.
+
+    Returns the kept sentences (in order), the drop counts (too_short, too_long, low_cjk; each
+    sentence counted once, under the first rule it fails) and the drop masks. Vectorised: the batch
+    is encoded once as UTF-32 (one code unit per character) and every test is a numpy comparison.
     """
     lengths = np.fromiter(map(len, sentences), dtype=np.int64, count=len(sentences))
     codes = np.frombuffer("".join(sentences).encode("utf-32-le", "surrogatepass"), dtype="<u4")
-    cumulative = np.concatenate([[0], np.cumsum(_is_cjk(codes), dtype=np.int64)])
     ends = np.cumsum(lengths)
-    cjk = cumulative[ends] - cumulative[ends - lengths]
+    starts = ends - lengths
+    nonempty_starts = starts[lengths > 0]
+    cjk_mask = _is_cjk(codes)
+    units_mask = (
+        cjk_mask
+        | _run_starts(_is_latin(codes), nonempty_starts)
+        | _run_starts((codes >= 0x30) & (codes <= 0x39), nonempty_starts)
+        | _is_other_letter(codes)
+    )
+    cjk_cum = np.concatenate([[0], np.cumsum(cjk_mask, dtype=np.int64)])
+    unit_cum = np.concatenate([[0], np.cumsum(units_mask, dtype=np.int64)])
+    cjk = cjk_cum[ends] - cjk_cum[starts]
+    units = unit_cum[ends] - unit_cum[starts]
     too_short = lengths < min_chars
     too_long = ~too_short & (lengths > max_chars)
-    low_cjk = ~too_short & ~too_long & (cjk < min_cjk_ratio * lengths)
+    low_cjk = ~too_short & ~too_long & ((cjk < min_cjk_ratio * units) | (cjk == 0))
     keep = ~(too_short | too_long | low_cjk)
     kept = list(itertools.compress(sentences, keep.tolist()))
-    counts = {
-        "too_short": int(too_short.sum()),
-        "too_long": int(too_long.sum()),
-        "low_cjk": int(low_cjk.sum()),
-    }
-    return kept, counts
+    masks = {"too_short": too_short, "too_long": too_long, "low_cjk": low_cjk}
+    counts = {reason: int(mask.sum()) for reason, mask in masks.items()}
+    return kept, counts, masks
 
 
 def has_control(text: str) -> bool:
     return CONTROL_RE.search(text) is not None
 
 
-def clean_paragraphs(texts: Iterable[str]) -> list[str]:
-    """Raw field values -> cleaned paragraphs: one per input line, normalised, no inner blanks."""
-    out = []
-    for text in texts:
-        for line in normalise(text).splitlines():
-            line = remove_whitespace(line)
+def _shorten(text: str, at: int = 0) -> str:
+    """About SAMPLE_CHARS characters of ``text`` around position ``at``."""
+    start = max(0, min(at - SAMPLE_CHARS // 4, len(text) - SAMPLE_CHARS))
+    piece = text[start : start + SAMPLE_CHARS]
+    return ("…" if start > 0 else "") + piece + ("…" if start + SAMPLE_CHARS < len(text) else "")
+
+
+class Cleaner:
+    """Cleans field values into sentences and keeps the audit of what each rule did.
+
+    ``rules`` counts the field values each cleaning rule changed; ``samples`` holds the first
+    ``SAMPLES_PER_RULE`` examples per rule (``{"before", "after"}``) and per sentence drop reason
+    (the dropped sentence). ``to_simplified`` converts traditional to simplified Chinese (OpenCC
+    ``t2s``), after the markup is gone and before splitting.
+    """
+
+    RULES = (
+        "wiki_markup",
+        "html_tags",
+        "html_entities",
+        "empty_brackets",
+        "clause_spaces",
+        "to_simplified",
+    )
+
+    def __init__(self, to_simplified: bool = False):
+        self.rules: Counter = Counter()
+        self.samples: dict[str, list[Any]] = {}
+        self.converter = _simplified_converter() if to_simplified else None
+
+    def _note(self, rule: str, before: str, after: str, at: int = 0) -> None:
+        self.rules[rule] += 1
+        examples = self.samples.setdefault(rule, [])
+        if len(examples) < SAMPLES_PER_RULE:
+            examples.append({"before": _shorten(before, at), "after": _shorten(after, at)})
+
+    def note_drop(self, reason: str, sentence: str) -> None:
+        examples = self.samples.setdefault(reason, [])
+        if len(examples) < SAMPLES_PER_RULE:
+            examples.append(_shorten(sentence))
+
+    def wants(self, reason: str) -> bool:
+        return len(self.samples.get(reason, ())) < SAMPLES_PER_RULE
+
+    def clean_field(self, text: str) -> str:
+        """Markup, normalisation and (optionally) script conversion of one field value."""
+        hint = _MARKUP_HINT_RE.search(text)
+        if hint is not None:
+            text = self._markup(text, hint.start())
+        text = normalise(text)
+        if self.converter is not None:
+            converted = self.converter.convert(text)
+            if converted != text:
+                self._note("to_simplified", text, converted)
+                text = converted
+        return text
+
+    def _markup(self, text: str, at: int) -> str:
+        if "&" in text and _ENTITY_RE.search(text) is not None:
+            after = html.unescape(text)
+            if after != text:
+                self._note("html_entities", text, after, text.find("&"))
+                text = after
+        if "-{" in text or "}-" in text:
+            after = convert_language_markup(text)
+            if after != text:
+                self._note("wiki_markup", text, after, max(text.find("-{"), 0))
+                text = after
+        if "<" in text:
+            after = strip_html(text)
+            if after != text:
+                self._note("html_tags", text, after, text.find("<"))
+                text = after
+        after = remove_empty_brackets(text)
+        if after != text:
+            found = _EMPTY_BRACKETS_RE.search(text) or _BRACKET_EDGE_RE.search(text)
+            self._note("empty_brackets", text, after, found.start() if found else at)
+            text = after
+        return text
+
+    def paragraphs(self, text: str) -> list[str]:
+        """One cleaned field value -> its paragraphs (lines), whitespace handled."""
+        out = []
+        for line in self.clean_field(text).splitlines():
+            if _WHITESPACE_RE.search(line) is not None:
+                cleaned = remove_whitespace(line)
+                if "，" in cleaned and cleaned.count("，") > line.count("，"):
+                    self._note("clause_spaces", line, cleaned)
+                line = cleaned
             if line:
                 out.append(line)
-    return out
+        return out
+
+    def audit(self) -> dict[str, Any]:
+        return {"rules": dict(sorted(self.rules.items())), "samples": dict(sorted(self.samples.items()))}
+
+
+def _simplified_converter() -> Any:
+    """OpenCC's traditional -> simplified converter (imported only when the option is on)."""
+    import opencc
+
+    return opencc.OpenCC("t2s")
+
+
+def ends_sentence(sentence: str) -> bool:
+    return sentence.endswith(_ENDS_SENTENCE)
+
+
+def clean_paragraphs(texts: Iterable[str]) -> list[str]:
+    """Raw field values -> cleaned paragraphs: one per input line, markup removed, no inner blanks."""
+    cleaner = Cleaner()
+    return [p for text in texts for p in cleaner.paragraphs(text)]
