@@ -5,33 +5,98 @@ over the final name and the directory fsynced: a reader sees the old file or the
 killed writer (or a power cut after the call returns) never leaves a partial file under the final name.
 The temporary name carries the pid and a random token because pids are not unique across the nodes of
 a cluster that share a file system.
+
+A full disk is one :class:`DiskFullError` (exit code 74) naming the directory and the space needed,
+raised before the write when the free space is below the size of the last file of the same kind
+written to that directory, or when the write itself fails with ENOSPC; the partial temporary file is
+removed and the previous file under the final name is left as it was.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import secrets
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import InputError
+from pipeline.errors import InputError, PipelineError
 
 __all__ = [
+    "EXIT_CODE_DISK_FULL",
+    "DiskFullError",
     "atomic_write",
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_parquet",
+    "check_free_space",
     "file_problem",
     "fsync_dir",
     "fsync_file",
     "fsync_tree",
+    "is_disk_full",
     "read_json",
     "sha256_file",
     "temporary_name",
 ]
+
+
+# sysexits.h EX_IOERR: an input/output error. The run or stage can be rerun unchanged once space is freed.
+EXIT_CODE_DISK_FULL = 74
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(PipelineError):
+    """Not enough space to write an output: the message names the directory and the space needed."""
+
+    exit_code = EXIT_CODE_DISK_FULL
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """An ENOSPC/EDQUOT error, also as pyarrow (an OSError without errno) and safetensors (its own
+    SafetensorError) report it."""
+    if isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS:
+        return True
+    return "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
+def check_free_space(directory: str | Path, needed: int, what: str) -> None:
+    """Raise :class:`DiskFullError` when ``directory`` has less than ``needed`` bytes free.
+
+    ``what`` names the write for the message ("checkpoint step-00001000", "shard-00012.tar").
+    """
+    free = shutil.disk_usage(directory).free
+    if needed > free:
+        raise DiskFullError(
+            f"not enough disk space in {directory} for {what}: {_mib(free)} free, about {_mib(needed)} "
+            "needed (the size of the last one written); free space there (or write elsewhere) and rerun"
+        )
+
+
+# (directory, suffix) -> size of the last file of that kind written there by this process: the expected
+# size of the next one (shards of a stage are alike in size, so are manifests and checkpoints).
+_last_size: dict[tuple[str, str], int] = {}
+
+
+def _expected_size(path: Path) -> int:
+    key = (str(path.parent), path.suffix)
+    if key not in _last_size:  # first write of this kind here: the largest such file already there
+        sizes = [0]
+        if path.suffix:  # (suffixless files are small pointers: "latest", "best")
+            with os.scandir(path.parent) as entries:
+                for entry in entries:
+                    if entry.name.endswith(path.suffix) and entry.is_file(follow_symlinks=False):
+                        sizes.append(entry.stat().st_size)
+        _last_size[key] = max(sizes)
+    return _last_size[key]
 
 
 def fsync_file(path: str | Path) -> None:
@@ -74,14 +139,27 @@ def atomic_write(path: str | Path, write: Callable[[Path], None], durable: bool 
     cut): for work files that are cheap to recompute and written often.
     """
     path = Path(path)
+    expected = _expected_size(path)
+    check_free_space(path.parent, expected, path.name)
     tmp = temporary_name(path)
     try:
         write(tmp)
         if durable:
             fsync_file(tmp)
+        written = tmp.stat().st_size
         os.replace(tmp, path)
+    except Exception as exc:
+        if not is_disk_full(exc):
+            raise
+        partial = tmp.stat().st_size if tmp.exists() else 0
+        raise DiskFullError(
+            f"disk full in {path.parent} while writing {path.name} ({_mib(partial)} written, the partial "
+            f"file removed; about {_mib(max(expected, partial))} needed): free space there (or write "
+            "elsewhere) and rerun"
+        ) from None
     finally:
         tmp.unlink(missing_ok=True)
+    _last_size[(str(path.parent), path.suffix)] = written
     if durable:
         fsync_dir(path.parent)
 

@@ -40,14 +40,18 @@ import yaml
 from pipeline import __version__, distributed
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import (
+    DiskFullError,
     atomic_write_bytes,
+    check_free_space,
     file_problem,
     fsync_dir,
     fsync_file,
     fsync_tree,
+    is_disk_full,
     sha256_file,
     walk_files,
 )
+from pipeline.train.guard import NonFiniteError, first_nonfinite
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -92,7 +96,8 @@ def rank_file_name(rank: int) -> str:
 
 # ------------------------------------------------------------------------------ config compatibility
 # Keys whose change does not alter the sequence of parameter updates: where and how often we log,
-# evaluate and save, loader parallelism (the data order is a function of the seed, not of workers),
+# evaluate and save, loader parallelism (the data order is a function of the seed, not of workers), the
+# guard (it changes a run only where a fault would have ended or derailed it),
 # and how long to train (extending max_steps/epochs is the usual reason to resume) -- but the run
 # length is harmless only under a constant learning rate: linear and cosine decay to zero at the last
 # step, so a new horizon changes every learning rate from the resume point on (HORIZON_KEYS).
@@ -101,6 +106,7 @@ HARMLESS_KEYS: tuple[str, ...] = (
     "run_dir",
     "resume",
     "checkpoint.",
+    "guard.",
     "data.num_workers",
     "data.prefetch_factor",
     "data.verify_shards",
@@ -173,6 +179,17 @@ def _torch_save(obj: Any, path: Path) -> None:
 
 def _state_dicts(states: Mapping[str, Stateful]) -> dict[str, Any]:
     return {name: obj.state_dict() for name, obj in states.items()}
+
+
+def _first_failure(failure: str | None) -> str | None:
+    """The first rank's failure message, or None (collective: every rank learns whether any failed)."""
+    if not distributed.is_dist() or distributed.world_size() == 1:
+        return failure
+    import torch.distributed as torch_dist
+
+    failures: list[str | None] = [None] * distributed.world_size()
+    torch_dist.all_gather_object(failures, failure)
+    return next((f for f in failures if f is not None), None)
 
 
 def _read_pointer(path: Path) -> str | None:
@@ -280,43 +297,100 @@ class Checkpointer:
         rank, world = distributed.rank(), distributed.world_size()
         final = self.dir / step_dir_name(step)
         tmp = self.dir / f".tmp-{final.name}"
+        shared, problem = None, None
         if distributed.is_main_process():
             self.dir.mkdir(parents=True, exist_ok=True)
             for stale in self.dir.glob(".tmp-step-*"):  # left by a save that was killed
                 shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
-        distributed.barrier()
+            shared = _state_dicts(states)
+            problem = self._refusal(final.name, model, shared)
+            if problem is None:
+                tmp.mkdir()
+        problem = distributed.broadcast_object(problem)  # every rank refuses, or none (and a barrier)
+        if problem is not None:
+            kind, message = problem
+            raise (NonFiniteError if kind == "nonfinite" else DiskFullError)(message)
 
-        _torch_save(_state_dicts(rank_states), tmp / rank_file_name(rank))
-        deepspeed_info = self._save_engine(tmp) if self.engine is not None else None
-        if distributed.is_main_process():
-            model.save_pretrained(tmp / MODEL_DIR)
-            _torch_save(_state_dicts(states), tmp / STATE_FILE)
-            text = yaml.safe_dump(dict(config), sort_keys=False, allow_unicode=True)
-            atomic_write_bytes(tmp / CONFIG_FILE, text.encode("utf-8"))
-        distributed.barrier()  # every rank's files are in tmp
+        failure = None
+        try:
+            _torch_save(_state_dicts(rank_states), tmp / rank_file_name(rank))
+            deepspeed_info = self._save_engine(tmp) if self.engine is not None else None
+            if distributed.is_main_process():
+                model.save_pretrained(tmp / MODEL_DIR)
+                _torch_save(shared, tmp / STATE_FILE)
+                text = yaml.safe_dump(dict(config), sort_keys=False, allow_unicode=True)
+                atomic_write_bytes(tmp / CONFIG_FILE, text.encode("utf-8"))
+        except Exception as exc:  # safetensors reports ENOSPC in its own error type
+            if not isinstance(exc, DiskFullError) and not is_disk_full(exc):
+                raise
+            failure = f"rank {rank}: {exc}"
+        failure = _first_failure(failure)  # every rank's files are in tmp, or every rank knows one failed
 
-        if distributed.is_main_process():
+        if distributed.is_main_process() and failure is None:
             metrics = dict(metrics or {})
             if samples_seen is None and "samples_seen" in metrics:
                 samples_seen = int(metrics["samples_seen"])
-            self._finish(
-                tmp,
-                final,
-                step,
-                world,
-                samples_seen,
-                metrics,
-                list(states),
-                list(rank_states),
-                deepspeed_info,
-            )
-            if is_best and self.keep_best:
-                atomic_write_bytes(self.dir / BEST, f"{final.name}\n".encode())
-            self._prune(keep=final)
-            log.info("saved checkpoint %s in %.1f s", final, time.perf_counter() - started)
-        distributed.barrier()  # nobody proceeds (or exits) before the checkpoint is visible
+            try:
+                self._finish(
+                    tmp,
+                    final,
+                    step,
+                    world,
+                    samples_seen,
+                    metrics,
+                    list(states),
+                    list(rank_states),
+                    deepspeed_info,
+                )
+                if is_best and self.keep_best:
+                    atomic_write_bytes(self.dir / BEST, f"{final.name}\n".encode())
+                self._prune(keep=final)
+                log.info("saved checkpoint %s in %.1f s", final, time.perf_counter() - started)
+            except Exception as exc:  # safetensors reports ENOSPC in its own error type
+                if not isinstance(exc, DiskFullError) and not is_disk_full(exc):
+                    raise
+                failure = str(exc)
+        if distributed.is_main_process() and failure is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            failure = self._disk_full_message(final.name, failure)
+        # nobody proceeds (or exits) before the checkpoint is visible, or before the partial one is gone
+        failure = distributed.broadcast_object(failure)
+        if failure is not None:
+            raise DiskFullError(failure)
         return final
+
+    def _refusal(self, name: str, model: Any, shared: Mapping[str, Any]) -> tuple[str, str] | None:
+        """Why checkpoint ``name`` must not be written (rank 0): a NaN/inf in the weights or the states,
+        or less free space than the newest checkpoint takes. None: go ahead."""
+        weights = model.state_dict() if hasattr(model, "state_dict") else {}
+        bad = first_nonfinite({"model": weights, **shared})  # a host sync; a save is rare
+        if bad is not None:
+            newest = self._find_latest(verify=False)
+            return "nonfinite", (
+                f"refusing to write checkpoint {name} in {self.dir}: {bad} is not finite (NaN or inf); "
+                f"the newest good checkpoint, {newest.name if newest else 'none'}, is kept. Resume from it "
+                "with a lower optim.lr or other data (see docs/fault_tolerance.md, non-finite steps)"
+            )
+        needed = self.newest_size()
+        try:
+            check_free_space(self.dir, needed, f"checkpoint {name}")
+        except DiskFullError as exc:
+            return "disk", f"{exc}; the previous checkpoints are intact"
+        return None
+
+    def newest_size(self) -> int:
+        """Bytes of the newest complete checkpoint (0 if none): the expected size of the next one."""
+        newest = self._find_latest(verify=False)
+        return sum(f.stat().st_size for f in walk_files(newest)) if newest else 0
+
+    def _disk_full_message(self, name: str, error: str) -> str:
+        newest = self._find_latest(verify=False)
+        return (
+            f"disk full in {self.dir} while writing checkpoint {name} (about "
+            f"{self.newest_size() / 2**20:.1f} MiB needed, the size of {newest.name if newest else 'none'}; "
+            f"{error}). The partial checkpoint was removed and the previous ones are intact: free space "
+            "and rerun the same command to resume"
+        )
 
     def _save_engine(self, tmp: Path) -> dict[str, Any]:
         """The DeepSpeed engine's own checkpoint (collective); every rank writes its ZeRO partition."""

@@ -256,11 +256,41 @@ class CheckpointConfig:
     every_minutes: float = option(
         30.0, "Also save when this many minutes passed since the last save (0 = off)."
     )
-    keep_last: int = option(3, "Keep the newest this many checkpoints (the best is kept too).")
+    keep_last: int = option(
+        2,
+        "Keep the newest this many checkpoints (the best is kept too). Disk: (keep_last + 2) x one "
+        "checkpoint at the peak of a save (the new one, the kept ones, the best); one checkpoint is 12-16 "
+        "bytes per parameter (weights, AdamW's two moments, the momentum encoder).",
+    )
 
     def __post_init__(self) -> None:
         if self.every_steps < 0 or self.every_minutes < 0 or self.keep_last < 1:
             raise ConfigError("checkpoint.every_steps/every_minutes must be >= 0 and keep_last >= 1")
+
+
+@dataclass
+class GuardConfig:
+    max_nonfinite_steps: int = option(
+        5,
+        "Skip a step whose loss or gradient norm is NaN/inf (bf16, fp32; fp16's GradScaler skips by itself); "
+        "stop after this many consecutive skips (exit code 70). 0 = no check (saves one host sync per step).",
+    )
+    spike_factor: float = option(
+        0.0, "Roll back on a loss spike: loss > this x the running median (0 = off; e.g. 3)."
+    )
+    spike_steps: int = option(3, "... for this many consecutive steps.")
+    spike_history: int = option(50, "Steps in the running median (the spike check starts once it is full).")
+    spike_skip_batches: int = option(
+        20, "After a rollback, skip the batches up to the spike and this many more (global batches)."
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_nonfinite_steps < 0 or self.spike_factor < 0 or self.spike_skip_batches < 0:
+            raise ConfigError("guard.max_nonfinite_steps, spike_factor and spike_skip_batches must be >= 0")
+        if self.spike_factor and self.spike_factor <= 1:
+            raise ConfigError("guard.spike_factor must be > 1 (or 0 = off)")
+        if self.spike_steps < 1 or self.spike_history < 1:
+            raise ConfigError("guard.spike_steps and guard.spike_history must be >= 1")
 
 
 @dataclass
@@ -318,6 +348,7 @@ class Config:
     optim: OptimConfig = option(factory=OptimConfig, help="Optimizer and learning-rate schedule.")
     train: TrainConfig = option(factory=TrainConfig, help="Batching, precision, steps, logging.")
     checkpoint: CheckpointConfig = option(factory=CheckpointConfig, help="Periodic checkpoints.")
+    guard: GuardConfig = option(factory=GuardConfig, help="Non-finite steps and loss spikes.")
     run_dir: Path = option(
         Path("runs/default"), "Output directory: config, logs, metrics, checkpoints, model."
     )

@@ -8,11 +8,11 @@ the step counter or on a value broadcast from rank 0.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from pipeline.losses import LossInputs
 from pipeline.losses.mlm import compute_loss as mlm_loss
 from pipeline.train.build import Trainer
 from pipeline.train.gradcache import chunked_forward_backward
+from pipeline.train.guard import NonFiniteError, SpikeDetector, grad_norm, step_verdict
 from pipeline.train.metrics import Throughput, alignment_uniformity
 from pipeline.train.signals import EXIT_CODE_PREEMPTED, CheckpointPolicy
 
@@ -101,12 +102,42 @@ def enqueue_keys(t: Trainer, rows: torch.Tensor, inputs: dict[str, torch.Tensor]
         t.teacher_queue.enqueue_gathered(mb["teacher"].to(keys.device))  # (B, D_t) -> (W * B, D_t)
 
 
-def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """One optimizer step over this rank's slice of a global batch; returns detached device tensors."""
+def guarded(t: Trainer) -> bool:
+    """Whether the non-finite guard decides each step (pipeline/train/guard.py).
+
+    Not under fp16, whose GradScaler skips non-finite steps itself (and must see them to lower its
+    scale), nor under DeepSpeed, whose engine steps inside ``backward`` before a verdict could stop it.
+    """
+    cfg = t.cfg
+    return (
+        bool(cfg.guard.max_nonfinite_steps)
+        and cfg.train.mixed_precision != "fp16"
+        and (not cfg.train.deepspeed_config)
+    )
+
+
+def queue_snapshot(t: Trainer) -> list[tuple[Any, dict[str, torch.Tensor]]]:
+    """Copies of the queues' states, to put back when a step with several micro-batches is skipped."""
+    queues = [q for q in (t.queue, t.teacher_queue) if q is not None]
+    return [(q, {k: v.clone() for k, v in q.state_dict().items()}) for q in queues]
+
+
+def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, Any]:
+    """One optimizer step over this rank's slice of a global batch; returns detached device tensors.
+
+    Under the guard, ``out["check"]`` is the step's :class:`~pipeline.train.guard.StepCheck`; when it
+    is not finite nothing was updated (parameters, optimizer, schedule position, momentum encoder,
+    queue, step and sample counters): the loop counts the skip and moves on to the next batch.
+    """
     acc, cfg = t.accelerator, t.cfg
     t.schedule.apply(t.state.step)  # before backward: DeepSpeed steps inside accelerator.backward
+    guard = guarded(t)
+    mbs = micro_batches(batch, cfg.train.grad_accum_steps)
+    # With several micro-batches each enqueues its keys before the step's verdict is known: keep a copy.
+    snapshot = queue_snapshot(t) if guard and len(mbs) > 1 else None
     parts: list[dict[str, torch.Tensor]] = []
-    for mb in micro_batches(batch, cfg.train.grad_accum_steps):
+    check = None
+    for mb in mbs:
         inputs = {k: mb[k].to(acc.device, non_blocking=True) for k in ("input_ids", "attention_mask")}
         with acc.accumulate(t.model):
             if cfg.train.gradcache_chunk_size:
@@ -117,22 +148,34 @@ def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
                 rows = t.model(**inputs)  # (N, H): n views then m hard negatives, B rows each
                 part = compute_objective(t, rows, mb)
                 acc.backward(part["loss"])
+            parts.append({k: v.detach() for k, v in part.items()})
+            norm = None
             if acc.sync_gradients and cfg.optim.grad_clip and acc.distributed_type.value != "DEEPSPEED":
-                acc.clip_grad_norm_(t.model.parameters(), cfg.optim.grad_clip)
-            t.optimizer.step()
+                norm = acc.clip_grad_norm_(t.model.parameters(), cfg.optim.grad_clip)
+            if guard and acc.sync_gradients:
+                norm = grad_norm(t.model.parameters()) if norm is None else norm
+                check = step_verdict(torch.stack([p["loss"] for p in parts]).mean(), norm)  # host sync
+            if check is None or check.finite:
+                t.optimizer.step()
             t.optimizer.zero_grad(set_to_none=True)
-        enqueue_keys(t, rows, inputs, mb)
-        parts.append({k: v.detach() for k, v in part.items()})
-    if t.momentum_encoder is not None:
-        t.momentum_encoder.update(t.module.encoder, cfg.objective.momentum)
-    t.state.step += 1
-    t.state.samples_seen += cfg.train.global_batch_size
+        if check is None or check.finite:
+            enqueue_keys(t, rows, inputs, mb)
+    if check is not None and not check.finite:
+        for queue, state in snapshot or []:
+            queue.load_state_dict(state)
+    else:
+        if t.momentum_encoder is not None:
+            t.momentum_encoder.update(t.module.encoder, cfg.objective.momentum)
+        t.state.step += 1
+        t.state.samples_seen += cfg.train.global_batch_size
     n, b = mb["num_views"], rows.shape[0] // rows_per_sentence(mb)
-    out = {"embeddings": rows[: n * b].detach().view(n, b, -1)}  # (n, B, H) of the last micro-batch
+    out: dict[str, Any] = {"embeddings": rows[: n * b].detach().view(n, b, -1)}  # (n, B, H), last micro-batch
     out["loss"] = torch.stack([p["loss"] for p in parts]).mean()
     if len(parts[0]) > 2:  # more than one term: log each (contrastive, distill, kl, mlm)
         for key in parts[0].keys() - {"loss"}:
             out[f"{key}_loss"] = torch.stack([p[key] for p in parts]).mean()
+    if check is not None:
+        out["check"] = check
     return out
 
 
@@ -214,9 +257,11 @@ def train(t: Trainer) -> int:
     # anyway: a signal is acted on up to log_every - 1 steps late (SLURM's --signal lead time covers it).
     policy = CheckpointPolicy(c.every_steps, c.every_minutes, check_every=cfg.train.log_every)
     throughput.samples0 = t.state.samples_seen
+    spike = start_guard(t)
     # Closed on every way out, an exception included: the loader workers ignore SIGTERM (preemption
     # signals are the main process's), so a worker left running would hang the interpreter's exit.
-    with contextlib.closing(iter(t.stream)) as batches:
+    batches = iter(t.stream)
+    try:
         scored = cfg.train.eval_every or cfg.train.final_model == "best"
         if t.state.step == 0 and t.state.best_step is None and scored:
             # The initial model's score starts the eval curve and is the first best candidate: from a strong
@@ -230,6 +275,17 @@ def train(t: Trainer) -> int:
             if t.on_batch is not None:
                 t.on_batch(t, batch)
             out = train_step(t, batch)
+            check = out.get("check")
+            if check is not None and not check.finite:
+                skip_nonfinite(t, batch)  # nothing was updated; raises NonFiniteError after too many
+                continue
+            t.state.nonfinite_streak = 0
+            if spike is not None and observe_loss(t, spike, check.loss):
+                batches.close()  # the rollback moves the data cursor: a new iterator starts from it
+                roll_back(t, spike)
+                batches = iter(t.stream)
+                bar.n = t.state.step
+                continue
             bar.update(1)
             step = t.state.step
             if step % cfg.train.log_every == 0 or step == t.total_steps:
@@ -243,8 +299,8 @@ def train(t: Trainer) -> int:
             if saved:
                 save_checkpoint(t, is_best)
                 policy.saved()
-            check = step % cfg.train.log_every == 0 or step == t.total_steps
-            if t.preemption is not None and check and t.preemption.should_stop():
+            check_now = step % cfg.train.log_every == 0 or step == t.total_steps
+            if t.preemption is not None and check_now and t.preemption.should_stop():
                 if t.checkpointer is not None and not saved:
                     save_checkpoint(t)
                 log.warning("preemption requested: checkpoint saved at step %d, exiting", step)
@@ -252,6 +308,94 @@ def train(t: Trainer) -> int:
         bar.close()
         finish(t)
         return 0
+    finally:
+        batches.close()
+
+
+# ------------------------------------------------------------------------------------------- guard
+def start_guard(t: Trainer) -> SpikeDetector | None:
+    """The guard's counters in the train state (so every checkpoint holds them), and the spike
+    detector with its saved history when ``guard.spike_factor`` is set."""
+    for key, value in (("nonfinite_skipped", 0), ("nonfinite_streak", 0), ("rollbacks", [])):
+        t.state.__dict__.setdefault(key, value)
+    g = t.cfg.guard
+    if not g.spike_factor or not guarded(t):
+        return None
+    spike = SpikeDetector(g.spike_factor, g.spike_steps, g.spike_history)
+    if getattr(t.state, "spike", None) is not None:
+        spike.load_state_dict(t.state.spike)
+    return spike
+
+
+def skip_nonfinite(t: Trainer, batch: dict[str, Any]) -> None:
+    """Count and log a skipped step; stop the run after ``guard.max_nonfinite_steps`` in a row."""
+    t.state.nonfinite_skipped += 1
+    t.state.nonfinite_streak += 1
+    where = f"epoch {batch.get('epoch')}, batch {batch.get('batch')} of the epoch"
+    log.warning(
+        "non-finite loss or gradient at %s (after step %d): step skipped, nothing updated (%d skipped so "
+        "far, %d in a row)", where, t.state.step, t.state.nonfinite_skipped, t.state.nonfinite_streak,
+    )  # fmt: skip
+    t.metrics.log(
+        {
+            "event": "nonfinite_skip",
+            "step": t.state.step,
+            "epoch": batch.get("epoch"),
+            "batch": batch.get("batch"),
+            "skipped": t.state.nonfinite_skipped,
+            "consecutive": t.state.nonfinite_streak,
+        }
+    )
+    limit = t.cfg.guard.max_nonfinite_steps
+    if t.state.nonfinite_streak >= limit:
+        good = t.checkpointer.latest() if t.checkpointer is not None else None  # collective
+        raise NonFiniteError(
+            f"{limit} consecutive steps had a non-finite loss or gradient (the last at {where}, after step "
+            f"{t.state.step}); stopped without saving. The last good checkpoint is "
+            f"{good or 'none (no checkpoint was written)'}: resume from it with a lower optim.lr, or "
+            "check the data at that position"
+        )
+
+
+def observe_loss(t: Trainer, spike: SpikeDetector, loss: float) -> bool:
+    """Feed the step's loss to the spike detector; its state rides in the train state."""
+    spiked = spike.observe(t.state.step, loss)
+    t.state.spike = spike.state_dict()
+    return spiked
+
+
+def roll_back(t: Trainer, spike: SpikeDetector) -> None:
+    """Back to the newest checkpoint written before the spike began, past the data up to the spike and
+    ``guard.spike_skip_batches`` more (collective). The decision is kept in ``t.state.rollbacks``."""
+    began, step, cursor = spike.first, t.state.step, t.stream.cursor
+    per_epoch = t.stream.batches_per_epoch
+    skip_to = cursor.epoch * per_epoch + cursor.batches + t.cfg.guard.spike_skip_batches
+    target = None
+    if t.checkpointer is not None and dist.is_main_process():
+        before = [p for p in t.checkpointer.checkpoints() if int(p.name.split("-")[1]) < began]
+        target = str(before[-1]) if before else None
+    target = dist.broadcast_object(target)
+    if target is None:
+        log.warning("loss spike from step %d to %d, but no checkpoint before it: training on", began, step)
+        spike.streak, spike.first = 0, None
+        t.state.spike = spike.state_dict()
+        return
+    rollbacks = list(t.state.rollbacks)
+    skipped, streak = t.state.nonfinite_skipped, t.state.nonfinite_streak
+    t.checkpointer.load(target, t.encoder, t.states(), t.rank_states())
+    record = {"detected_at_step": step, "spike_began": began, "resumed_from": Path(target).name}
+    record["skipped_to"] = list(divmod(skip_to, per_epoch))  # [epoch, batch]: the data cursor after the skip
+    t.state.rollbacks = [*rollbacks, record]
+    t.state.nonfinite_skipped, t.state.nonfinite_streak = skipped, streak
+    t.stream.cursor.epoch, t.stream.cursor.batches = record["skipped_to"]
+    spike.load_state_dict(t.state.spike if getattr(t.state, "spike", None) else spike.state_dict())
+    spike.streak, spike.first = 0, None
+    t.state.spike = spike.state_dict()
+    log.warning(
+        "loss spike from step %d to %d (> %.1f x the running median): rolled back to %s, data skipped to "
+        "epoch %d batch %d", began, step, spike.factor, record["resumed_from"], *record["skipped_to"],
+    )  # fmt: skip
+    t.metrics.log({"event": "spike_rollback", "step": t.state.step, **record})
 
 
 def finish(t: Trainer) -> None:

@@ -1,0 +1,200 @@
+"""A full disk: atomic_write and the checkpointer refuse before writing when the free space is below the
+last file's (checkpoint's) size, and on ENOSPC mid-write they remove the partial file, keep the previous
+one, and raise one DiskFullError naming the directory and the space needed. On a small tmpfs (root)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+
+import pytest
+import torch
+
+from pipeline.io import EXIT_CODE_DISK_FULL, DiskFullError, atomic_write_bytes
+from pipeline.train.checkpoint import Checkpointer, verify_checkpoint
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """``mount_tmpfs("1m")``: a tmpfs of that size under tmp_path (skipped where mounting is not allowed)."""
+    mounted = []
+
+    def mount(size: str):
+        point = tmp_path / f"disk{len(mounted)}"
+        point.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True
+        )
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], check=True)
+
+
+@pytest.fixture
+def small_disk(mount_tmpfs):
+    return mount_tmpfs("1m")
+
+
+def fill(directory, leave: int) -> None:
+    """A filler file that leaves about ``leave`` bytes free."""
+    import shutil
+
+    free = shutil.disk_usage(directory).free
+    with open(directory / f"filler-{uuid.uuid4().hex[:6]}", "wb") as f:
+        f.write(b"\0" * max(0, free - leave))
+
+
+def test_enospc_mid_write_removes_the_partial_file_and_keeps_the_old_one(small_disk):
+    target = small_disk / "data" / "shard.bin"
+    target.parent.mkdir()
+    atomic_write_bytes(target, b"old" * 100)
+    with pytest.raises(DiskFullError) as exc:
+        atomic_write_bytes(target, b"x" * (2 << 20))  # 2 MiB on a 1 MiB disk: fails while writing
+    message = str(exc.value)
+    assert str(target.parent) in message and "disk full" in message and "needed" in message
+    assert "\n" not in message and exc.value.exit_code == EXIT_CODE_DISK_FULL == 74
+    assert target.read_bytes() == b"old" * 100  # the previous file is intact
+    assert [p.name for p in target.parent.iterdir()] == ["shard.bin"]  # no partial temporary left
+
+
+def test_a_write_is_refused_before_it_starts_when_the_last_one_would_not_fit(small_disk):
+    out = small_disk / "shards"
+    out.mkdir()
+    atomic_write_bytes(out / "shard-00000.tar", b"s" * 300_000)
+    fill(small_disk, leave=100_000)
+    written = []
+
+    def write(tmp):
+        written.append(tmp)
+        tmp.write_bytes(b"s" * 10)
+
+    from pipeline.io import atomic_write
+
+    with pytest.raises(DiskFullError, match=rf"not enough disk space in {out} for shard-00001.tar.*0.3 MiB"):
+        atomic_write(out / "shard-00001.tar", write)
+    assert written == []  # refused before anything was written
+    atomic_write_bytes(out / "manifest.json", b"{}")  # another kind of file (its own size) still goes
+
+
+class Model(torch.nn.Module):
+    """What the checkpointer needs of an encoder: a backbone and save_pretrained (safetensors)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.backbone = torch.nn.Linear(n, 1, bias=False)
+
+    def save_pretrained(self, directory):
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True)
+        save_file(self.backbone.state_dict(), directory / "model.safetensors")
+
+
+class State:
+    def __init__(self, n):
+        self.t = torch.randn(n)
+
+    def state_dict(self):
+        return {"t": self.t}
+
+    def load_state_dict(self, state):
+        self.t = state["t"]
+
+
+def test_checkpoint_save_on_a_full_disk_keeps_the_previous_checkpoint(small_disk, monkeypatch):
+    ckpt = Checkpointer(small_disk / "run", keep_last=2)
+    model, state = Model(30_000), State(30_000)  # ~240 kB a checkpoint
+    first = ckpt.save(1, model, {"s": state}, {}, {"step": 1})
+    size = ckpt.newest_size()
+    assert size > 200_000
+
+    fill(small_disk, leave=size // 2)  # the pre-write check: less free than the last checkpoint
+    with pytest.raises(
+        DiskFullError, match=rf"not enough disk space in {ckpt.dir} for checkpoint step-00000002"
+    ):
+        ckpt.save(2, model, {"s": state}, {}, {"step": 2})
+    assert ckpt.checkpoints() == [first] and not list(ckpt.dir.glob(".tmp-*"))
+
+    monkeypatch.setattr(Checkpointer, "newest_size", lambda self: 0)  # no estimate: ENOSPC while writing
+    with pytest.raises(DiskFullError) as exc:
+        ckpt.save(2, model, {"s": state}, {}, {"step": 2})
+    message = str(exc.value)
+    assert message.startswith(f"disk full in {ckpt.dir} while writing checkpoint step-00000002")
+    assert "the previous ones are intact" in message and "\n" not in message
+    assert ckpt.checkpoints() == [first] and not list(ckpt.dir.glob(".tmp-*"))
+    assert ckpt.latest() == first and verify_checkpoint(first)["step"] == 1
+    assert (ckpt.dir / "latest").read_text().strip() == first.name
+
+    loaded, loaded_model = State(30_000), Model(30_000)
+    ckpt.load(first, loaded_model, {"s": loaded}, {})
+    assert torch.equal(loaded.t, state.t) and torch.equal(loaded_model.backbone.weight, model.backbone.weight)
+
+
+@pytest.mark.parametrize("when", ["before the write", "while writing"])
+def test_training_stops_with_one_line_and_resumes_exactly_once_space_is_freed(
+    tmp_path, tiny_shards, mount_tmpfs, capsys, monkeypatch, when
+):
+    """The disk fills after the step-2 checkpoint: the step-4 save fails (refused by the free-space check,
+    or by ENOSPC while writing when there is no estimate): exit 74, one line naming the checkpoint
+    directory, step-2 intact; after freeing space the same command resumes from step 2 and ends with the
+    parameters, queue and cursor of an uninterrupted run."""
+    import sys
+
+    from accelerate.state import AcceleratorState
+
+    from pipeline.train.config import PROJECT_ROOT
+
+    sys.path.insert(0, str(PROJECT_ROOT / "launch"))
+    from pretrain import main
+
+    shards = tiny_shards([[40, 24], [32]], num_variants=3)
+    disk = mount_tmpfs("32m")
+
+    def argv(run_dir):
+        return [
+            "--config", str(PROJECT_ROOT / "launch" / "configs" / "debug.yaml"), f"--data.shards={shards}",
+            f"--run_dir={run_dir}", "--train.max_steps=6", "--checkpoint.every_steps=2",
+            "--objective.momentum=0.9", "--train.debug_dump=true", "--train.eval_max_pairs=16",
+        ]  # fmt: skip
+
+    def dump(run_dir):
+        return json.loads((run_dir / "debug" / "rank0.json").read_text())
+
+    AcceleratorState._reset_state(True)
+    assert main(argv(tmp_path / "ref")) == 0
+
+    filled = []
+
+    def fill_after_step_3(t, batch):
+        if t.state.step == 3 and not filled:
+            fill(disk, leave=64_000)
+            filled.append(next(disk.glob("filler-*")))
+
+    if when == "while writing":
+        monkeypatch.setattr(Checkpointer, "newest_size", lambda self: 0)
+    run_dir = disk / "run"
+    AcceleratorState._reset_state(True)
+    capsys.readouterr()
+    assert main(argv(run_dir), fill_after_step_3) == EXIT_CODE_DISK_FULL
+    errors = [
+        x[x.index("error:") :] for x in capsys.readouterr().err.splitlines() if "error:" in x
+    ]  # after tqdm's \r
+    assert len(errors) == 1 and str(run_dir / "checkpoints") in errors[0] and "step-00000004" in errors[0]
+    assert "MiB needed" in errors[0]
+    ckpt = Checkpointer(run_dir)
+    assert [p.name for p in ckpt.checkpoints()] == ["step-00000002"] and not list(ckpt.dir.glob(".tmp-*"))
+    verify_checkpoint(ckpt.latest())
+
+    monkeypatch.undo()
+    filled[0].unlink()  # space freed: the same command resumes from step 2
+    AcceleratorState._reset_state(True)
+    assert main(argv(run_dir)) == 0
+    got, ref = dump(run_dir), dump(tmp_path / "ref")
+    for key in ("param_checksum", "queue_checksum", "cursor", "step", "samples_seen"):
+        assert got[key] == ref[key], key
