@@ -35,6 +35,9 @@ COMMANDS: dict[str, Command] = {
         "pipeline.teacher.run", "shards -> shards with teacher embeddings (+ mined hard negatives)"
     ),
     "tokenize": Command("pipeline.data.pretokenize", "shards -> shards with a model's token ids"),
+    "shards": Command(
+        "pipeline.shards_command", "add block indexes to older shard sets", ("action", "directory")
+    ),
     "synonyms": Command("pipeline.augment.vector_synonyms", "word vectors -> faiss synonym cache (Parquet)"),
     "train": Command("pipeline.train.run", "contrastive pretraining (same as launch/pretrain.py)"),
     "eval": Command("pipeline.evaluate.run", "evaluate a model or checkpoint on the STS suite", "model"),

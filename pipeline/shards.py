@@ -8,6 +8,12 @@ webdataset *sample* holding a *block* of a few thousand sentences as an Arrow IP
 Tars are written deterministically (fixed mtime/uid/mode, sorted members) so the same rows give
 byte-identical shards, and atomically (temporary file, fsync, rename) so a killed writer never
 leaves a truncated shard behind under the final name.
+
+Beside every shard its writer puts a small *block index* (``shard-NNNNNN.idx``, listed with its sha256
+in the manifest): per block its byte range in the tar, its row count, a CRC-32 of its bytes and each
+row's length proxy. Training plans an epoch from the manifest and these indexes alone, so start and
+resume read a few bytes per row instead of every block, and each block's bytes are checked against
+their CRC when the loader first reads them.
 """
 
 from __future__ import annotations
@@ -15,20 +21,23 @@ from __future__ import annotations
 import hashlib
 import io
 import tarfile
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from pipeline import __version__
 from pipeline.errors import InputError
-from pipeline.io import atomic_write, file_problem, read_json, sha256_file
+from pipeline.io import atomic_write, atomic_write_json, file_problem, read_json, sha256_file
 
 FORMAT = "sentence-shards"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 BLOCK_EXT = "arrow"
+INDEX_EXT = "idx"
 
 # Columns every stage writes. Later stages add columns and keep these (see shards/README.md).
 BASE_SCHEMA = pa.schema(
@@ -42,6 +51,11 @@ BASE_SCHEMA = pa.schema(
 
 def shard_name(index: int) -> str:
     return f"shard-{index:06d}.tar"
+
+
+def index_name(shard: str) -> str:
+    """``shard-000003.tar`` -> ``shard-000003.idx``: the block index written beside a shard."""
+    return f"{Path(shard).stem}.{INDEX_EXT}"
 
 
 def sentence_id(text: str) -> int:
@@ -73,27 +87,30 @@ def _tar_member(name: str, size: int) -> tarfile.TarInfo:
 
 
 def write_shard(path: str | Path, blocks: Iterable[pa.Table], shard_index: int) -> dict[str, Any]:
-    """Write ``blocks`` (one Arrow table each) as shard ``path``; return its manifest entry."""
+    """Write ``blocks`` (one Arrow table each) as shard ``path`` and its block index beside it; return
+    the shard's manifest entry (with the index's name, size and sha256 under ``index``)."""
     path = Path(path)
-    samples = sentences = 0
+    index = _IndexBuilder()
 
     def write(tmp: Path) -> None:
-        nonlocal samples, sentences
         with tarfile.open(tmp, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for block_index, table in enumerate(blocks):
                 data = table_to_ipc(table)
                 member = _tar_member(f"{shard_index:06d}-{block_index:06d}.{BLOCK_EXT}", len(data))
+                offset = tar.offset + tarfile.BLOCKSIZE  # a USTAR header of a short name is one block
                 tar.addfile(member, io.BytesIO(data))
-                samples += 1
-                sentences += table.num_rows
+                index.add(offset, data, row_lengths(table))
 
     atomic_write(path, write)
+    index_path = path.with_name(index_name(path.name))
+    atomic_write(index_path, index.write)
     return {
         "name": path.name,
-        "samples": samples,
-        "sentences": sentences,
+        "samples": index.samples,
+        "sentences": index.sentences,
         "bytes": path.stat().st_size,
         "sha256": sha256_file(path),
+        "index": index_entry(index_path),
     }
 
 
@@ -120,6 +137,181 @@ def read_shard(path: str | Path) -> Iterator[pa.Table]:
     """Yield the blocks of one shard in order."""
     for _, table in iter_blocks(path):
         yield table
+
+
+# --------------------------------------------------------------------------------------------- index
+INDEX_SCHEMA = pa.schema(
+    [
+        pa.field("offset", pa.uint64(), nullable=False),  # where the block's bytes start in the tar
+        pa.field("size", pa.uint64(), nullable=False),  # how many bytes
+        pa.field("rows", pa.uint32(), nullable=False),
+        pa.field("crc32", pa.uint32(), nullable=False),  # zlib.crc32 of those bytes
+        pa.field("lengths", pa.list_(pa.uint16()), nullable=False),  # each row's length proxy
+    ]
+)
+
+
+def row_lengths(table: pa.Table) -> np.ndarray:
+    """Per row, the length proxy length bucketing sorts by: the most tokens (with ids stored, ``pipeline
+    tokenize``) or else characters of its ``text`` or any of its ``variants`` (uint16, saturating)."""
+    import pyarrow.compute as pc
+
+    if "text" not in table.column_names and "input_ids" not in table.column_names:
+        return np.zeros(table.num_rows, dtype=np.uint16)
+    tokens = "input_ids" in table.column_names
+    size = pc.list_value_length if tokens else pc.utf8_length
+    text, variants_column = ("input_ids", "variant_input_ids") if tokens else ("text", "variants")
+    lengths = size(table.column(text)).to_numpy(zero_copy_only=False).astype(np.int64)
+    if variants_column in table.column_names:
+        variants = table.column(variants_column).combine_chunks()
+        flat = size(pc.list_flatten(variants)).to_numpy(zero_copy_only=False).astype(np.int64)
+        parents = pc.list_parent_indices(variants).to_numpy(zero_copy_only=False)
+        np.maximum.at(lengths, parents, flat)
+    return np.minimum(lengths, np.iinfo(np.uint16).max).astype(np.uint16)
+
+
+class _IndexBuilder:
+    """Collects one shard's block index while the shard is written."""
+
+    def __init__(self) -> None:
+        self.offsets: list[int] = []
+        self.sizes: list[int] = []
+        self.rows: list[int] = []
+        self.crcs: list[int] = []
+        self.lengths: list[np.ndarray] = []
+
+    @property
+    def samples(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def sentences(self) -> int:
+        return sum(self.rows)
+
+    def add(self, offset: int, data: bytes, lengths: np.ndarray) -> None:
+        self.offsets.append(offset)
+        self.sizes.append(len(data))
+        self.rows.append(len(lengths))
+        self.crcs.append(zlib.crc32(data))
+        self.lengths.append(lengths)
+
+    def table(self) -> pa.Table:
+        flat = np.concatenate(self.lengths) if self.lengths else np.zeros(0, dtype=np.uint16)
+        offsets = np.concatenate([[0], np.cumsum(self.rows)]).astype(np.int32)
+        lengths = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=pa.uint16()))
+        columns = [
+            pa.array(self.offsets, pa.uint64()),
+            pa.array(self.sizes, pa.uint64()),
+            pa.array(self.rows, pa.uint32()),
+            pa.array(self.crcs, pa.uint32()),
+            lengths,
+        ]
+        return pa.Table.from_arrays(columns, schema=INDEX_SCHEMA)
+
+    def write(self, path: Path) -> None:
+        # uncompressed, one record batch: a reader memory-maps it and views the lengths without a copy
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, INDEX_SCHEMA) as writer:
+            writer.write_table(self.table(), max_chunksize=max(1, self.samples))
+
+
+class ShardIndex:
+    """One shard's block index, memory-mapped: reading it costs a few bytes per block, not per row."""
+
+    def __init__(self, shard: Path, index_path: Path):
+        self.shard = shard
+        try:
+            table = pa.ipc.open_file(pa.memory_map(str(index_path), "r")).read_all()
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise InputError(
+                f"block index {index_path} is unreadable ({exc}); add it again with "
+                f"`python -m pipeline shards index {shard.parent}`"
+            ) from None
+        if table.schema != INDEX_SCHEMA:
+            raise InputError(f"{index_path} is not a block index of this format; rerun its stage")
+        self.offsets = _column(table, "offset")
+        self.sizes = _column(table, "size")
+        self.rows = _column(table, "rows")
+        self.crcs = _column(table, "crc32")
+        lengths = table.column("lengths")
+        lengths = lengths.chunk(0) if lengths.num_chunks == 1 else lengths.combine_chunks()
+        self.length_offsets = lengths.offsets.to_numpy()
+        values = lengths.values
+        self._flat_lengths = values.to_numpy(zero_copy_only=True) if len(values) else np.zeros(0, np.uint16)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def lengths(self, block: int) -> np.ndarray:
+        """Block ``block``'s per-row lengths: a view into the mapped file (pages read when touched)."""
+        return self._flat_lengths[self.length_offsets[block] : self.length_offsets[block + 1]]
+
+
+def _column(table: pa.Table, name: str) -> np.ndarray:
+    return table.column(name).to_numpy().astype(np.int64)
+
+
+def block_index(directory: str | Path, entry: dict[str, Any], verify: bool = True) -> ShardIndex:
+    """The block index of one manifest entry; ``verify`` checks its size and sha256 (a few bytes per row)
+    and the shard's size (a truncated shard is refused here, a modified block when it is read)."""
+    directory = Path(directory)
+    shard = directory / entry["name"]
+    recorded = entry.get("index")
+    if recorded is None:
+        raise InputError(
+            f"{directory / MANIFEST} lists {entry['name']} without a block index (written by a version "
+            f"before 0.2): add the indexes once with `python -m pipeline shards index {directory}`"
+        )
+    path = directory / recorded["name"]
+    problem = file_problem(path, recorded["bytes"], recorded["sha256"]) if verify else None
+    if problem is None and not shard.is_file():
+        problem = "is missing"
+        path = shard
+    elif problem is None and shard.stat().st_size != entry["bytes"]:
+        size = shard.stat().st_size
+        problem = f"has {size} bytes, the manifest says {entry['bytes']} (truncated or modified)"
+        path = shard
+    if problem:
+        raise InputError(f"{path} {problem} against {directory / MANIFEST}: re-create it (rerun the stage)")
+    return ShardIndex(shard, path)
+
+
+def index_entry(path: Path) -> dict[str, Any]:
+    """A block index's record in its shard's manifest entry."""
+    return {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def check_block(shard: Path, block: int, data: bytes, crc32: int) -> None:
+    """Refuse a block whose bytes do not match the CRC-32 its index recorded (a flipped bit, a torn write)."""
+    if zlib.crc32(data) != crc32:
+        raise InputError(
+            f"shard {shard} block {block} fails its CRC-32 check against {index_name(shard.name)} "
+            "(modified or corrupted): re-create it (rerun the stage)"
+        )
+
+
+def add_indexes(directory: str | Path) -> int:
+    """Write the block index of every shard of ``directory`` that lacks one (shards of versions before 0.2)
+    and add them to the manifest; returns how many were written. Reads every block once: run it once."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    added = 0
+    for entry in manifest["shards"]:
+        if "index" in entry:
+            continue
+        path = verify_shard(directory, entry)
+        index = _IndexBuilder()
+        for member, table in iter_blocks(path):
+            with open(path, "rb") as f:
+                f.seek(member.offset_data)
+                data = f.read(member.size)
+            index.add(member.offset_data, data, row_lengths(table))
+        index_path = directory / index_name(entry["name"])
+        atomic_write(index_path, index.write)
+        entry["index"] = index_entry(index_path)
+        added += 1
+    if added:
+        atomic_write_json(directory / MANIFEST, manifest)
+    return added
 
 
 # --------------------------------------------------------------------------------------------- manifest

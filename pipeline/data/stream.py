@@ -15,8 +15,8 @@ world size; only the samples within a window change batches.
 
 The cursor is ``(epoch, batches consumed)``: it names a position in the global stream, so it means
 the same thing at any world size or number of loader workers. Resuming seeks straight to the block
-that holds the next batch (block offsets are in the index built at start), tokenising nothing that
-was already consumed.
+that holds the next batch (block offsets come from the shards' block indexes, read at start without
+reading a block), tokenising nothing that was already consumed.
 
 Loader worker w of K produces the batches ``start + w, start + w + K, ...``; torch's DataLoader hands
 out worker outputs round-robin starting at worker 0, which yields them in stream order.
@@ -37,8 +37,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.data.token_ids import TOKEN_ID_COLUMNS, ragged_rows
-from pipeline.errors import ConfigError, InputError
-from pipeline.shards import ipc_to_table, iter_blocks, read_manifest, verify_shard
+from pipeline.errors import ConfigError, InputError, PipelineError
+from pipeline.shards import block_index, check_block, ipc_to_table, iter_blocks, read_manifest
 from pipeline.teacher.vectors import teacher_matrix
 from pipeline.train.signals import ignore_preemption_signals
 
@@ -48,11 +48,10 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------------------------- index
 @dataclass(frozen=True)
 class BlockRef:
-    """Where one block lives: a byte range inside a shard tar (a tar member's data).
+    """Where one block lives: a byte range inside a shard tar (a tar member's data), with its CRC-32.
 
-    ``lengths`` is each row's length for bucketing: the most tokens of its text or any of its variants
-    when the shards hold token ids, else the most characters (a proxy); uint16, saturating, 2 bytes a
-    row in the broadcast index.
+    ``lengths`` is each row's length for bucketing (``pipeline.shards.row_lengths``): a view into the
+    memory-mapped block index, so holding the refs of 110M rows costs pages only where they are read.
     """
 
     path: str
@@ -60,41 +59,33 @@ class BlockRef:
     size: int
     rows: int
     lengths: np.ndarray | None = field(default=None, compare=False, repr=False)
+    crc32: int | None = None  # None: not checked when read
+    block: int = 0  # its number within the shard, for messages
 
 
-def row_lengths(table: pa.Table) -> np.ndarray:
-    """Per row: the most tokens (with ids stored, ``pipeline tokenize``) or else characters of its
-    ``text`` or any of its ``variants`` (uint16, saturating)."""
-    import pyarrow.compute as pc
+def index_shards(
+    directory: str | Path, verify: bool = True, check_blocks: bool | None = None
+) -> list[BlockRef]:
+    """Every block of a shard set, in manifest order, from the manifest and the per-shard block indexes.
 
-    tokens = "input_ids" in table.column_names
-    size = pc.list_value_length if tokens else pc.utf8_length
-    text, variants_column = ("input_ids", "variant_input_ids") if tokens else ("text", "variants")
-    lengths = size(table.column(text)).to_numpy(zero_copy_only=False).astype(np.int64)
-    if variants_column in table.column_names:
-        variants = table.column(variants_column).combine_chunks()
-        flat = size(pc.list_flatten(variants)).to_numpy(zero_copy_only=False).astype(np.int64)
-        parents = pc.list_parent_indices(variants).to_numpy(zero_copy_only=False)
-        np.maximum.at(lengths, parents, flat)
-    return np.minimum(lengths, np.iinfo(np.uint16).max).astype(np.uint16)
-
-
-def index_shards(directory: str | Path, verify: bool = True) -> list[BlockRef]:
-    """Every block of a shard directory, in manifest order, with its byte range and row count.
-
-    Reads each block once (row counts are not in the manifest). Call it on one rank and broadcast.
+    Reads a few bytes per block and two per row (the lengths stay memory-mapped), never the blocks:
+    start and resume do not grow with the bytes of the data. Each shard's size is checked here;
+    ``verify`` also checks each index's sha256, and ``check_blocks`` (default: ``verify``) makes
+    :func:`read_block` check each block's CRC-32 when it reads it.
     """
+    check_blocks = verify if check_blocks is None else check_blocks
     directory = Path(directory)
     if not directory.is_dir():
         raise ConfigError(f"data.shards: {directory} is not a directory; run preprocess/augment first")
     manifest = read_manifest(directory)
     blocks: list[BlockRef] = []
     for entry in manifest["shards"]:
-        path = verify_shard(directory, entry) if verify else directory / entry["name"]
-        for member, table in iter_blocks(path):
-            blocks.append(
-                BlockRef(str(path), member.offset_data, member.size, table.num_rows, row_lengths(table))
-            )
+        index = block_index(directory, entry, verify)
+        path = str(index.shard)
+        for k in range(len(index)):
+            crc = int(index.crcs[k]) if check_blocks else None
+            offset, size, rows = int(index.offsets[k]), int(index.sizes[k]), int(index.rows[k])
+            blocks.append(BlockRef(path, offset, size, rows, index.lengths(k), crc, k))
     if not blocks:
         raise InputError(f"{directory} holds no blocks; check the stage that wrote it")
     return blocks
@@ -103,7 +94,10 @@ def index_shards(directory: str | Path, verify: bool = True) -> list[BlockRef]:
 def read_block(ref: BlockRef) -> pa.Table:
     with open(ref.path, "rb") as f:
         f.seek(ref.offset)
-        return ipc_to_table(f.read(ref.size))
+        data = f.read(ref.size)
+    if ref.crc32 is not None:
+        check_block(Path(ref.path), ref.block, data, ref.crc32)
+    return ipc_to_table(data)
 
 
 def cached_variants(directory: str | Path) -> int:
@@ -333,7 +327,11 @@ class _RankBatches(IterableDataset):
                 runs = self.order.batch_runs(b, lo, lo + local)
             else:
                 runs = self.order.locate(b * self.global_batch + lo, b * self.global_batch + lo + local)
-            rows = self.source.rows(runs)
+            try:
+                rows = self.source.rows(runs)
+            except PipelineError as exc:  # e.g. a damaged block: the main process raises it as one line
+                yield {"epoch": self.order.epoch, "batch": b, "error": exc}
+                return
             yield {"epoch": self.order.epoch, "batch": b, **self.collate(rows)}
 
 
@@ -442,6 +440,8 @@ class BatchStream:
                 dataset, batch_size=None, num_workers=self.num_workers, generator=generator, **extra
             )
             for batch in loader:
+                if "error" in batch:
+                    raise batch["error"]
                 assert batch["batch"] == self.cursor.batches, "loader order broke the cursor"
                 self.cursor.batches += 1
                 yield batch

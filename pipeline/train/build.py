@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from pipeline.data.stream import (
     index_shards,
 )
 from pipeline.data.token_ids import shards_have_ids
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, InputError, PipelineError
 from pipeline.evaluate.sts import PairSet, read_pair_file
 from pipeline.losses import Objective, get_objective
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
@@ -292,12 +293,27 @@ def read_records(cfg: Config) -> list[tuple]:
     return [(p.text_a, p.text_b, p.label) for p in read_pairs(path)]
 
 
+def shard_blocks(shards: Path, verify: bool, rank: int) -> list[Any]:
+    """Every rank reads the small block indexes itself; rank 0 alone checks their sha256s and broadcasts
+    only whether they passed (a message or None), never the index (it grows with the data)."""
+    error: str | None = None
+    try:
+        blocks = index_shards(shards, verify=verify and rank == 0, check_blocks=verify)
+    except PipelineError as exc:
+        blocks, error = [], f"{type(exc).__name__}\0{exc}"
+    error = dist.broadcast_object(error)
+    if error is not None:
+        kind, message = error.split("\0", 1)
+        raise (InputError if kind == "InputError" else ConfigError)(message)
+    return blocks
+
+
 def build_stream(cfg: Config, tokenizer: Any, rank: int, world: int, prefix: str = "") -> BatchStream:
     """This rank's batches; ``prefix`` is the encoder's text prefix, put before every text once."""
     d, t = cfg.data, cfg.train
     objective = get_objective(cfg.objective.name)
     if objective.unsupervised:
-        blocks = dist.broadcast_object(index_shards(d.shards, d.verify_shards) if rank == 0 else None)
+        blocks = shard_blocks(d.shards, d.verify_shards, rank)
         k, views = (d.num_variants, d.num_dropout_views) if objective.uses_variants else (0, 1)
         teacher = batches_carry_teacher(cfg)  # checks data.teacher/num_hard_negatives against the shards
         pretokenized = shards_have_ids(d.shards, tokenizer, prefix, d.max_length)  # refuses other ids
@@ -399,7 +415,9 @@ def build(cfg: Config) -> Trainer:
     dist.barrier()
 
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    started = time.perf_counter()
     encoder = build_encoder(cfg)
+    log.info("model: %s built in %.1f s", cfg.model.name_or_path or "scratch", time.perf_counter() - started)
     if cfg.model.freeze_embeddings:
         encoder.backbone.get_input_embeddings().requires_grad_(False)
     head = objective.build_head(cfg.objective, encoder.dim)
@@ -412,7 +430,9 @@ def build(cfg: Config) -> Trainer:
     metrics = MetricsLogger(cfg.run_dir, enabled=accelerator.is_main_process)
     if accelerator.is_main_process:
         report_unk_rate(encoder, metrics)
+    started = time.perf_counter()
     stream = build_stream(cfg, encoder.tokenizer, rank, world, encoder.prefix)
+    planned = time.perf_counter() - started
     total = cfg.train.max_steps or cfg.train.epochs * stream.batches_per_epoch
     optimizer = build_optimizer(cfg, module)
     o = cfg.optim
@@ -443,12 +463,15 @@ def build(cfg: Config) -> Trainer:
         teacher_queue,
     )
     log.info(
-        "data: %d samples, %d global batches of %d per epoch, %d dropped per epoch; %d steps in all",
+        "data: %d samples in %d blocks, %d global batches of %d per epoch, %d dropped per epoch; %d steps "
+        "in all (planned in %.2f s)",
         stream.num_items,
+        len(stream.block_rows),
         stream.batches_per_epoch,
         cfg.train.global_batch_size,
         stream.dropped_per_epoch,
         total,
+        planned,
     )
     trainer.model, trainer.optimizer = accelerator.prepare(module, optimizer)
     trainer.schedule.optimizer = trainer.optimizer

@@ -48,7 +48,11 @@ class DataConfig:
     supervised_file: Path | None = option(
         None, "TSV/JSONL pair or triple file for sup_simcse, cosent and sbert (e.g. STS-B.train.tsv)."
     )
-    verify_shards: bool = option(True, "Check every shard's size and sha256 against the manifest at start.")
+    verify_shards: bool = option(
+        True,
+        "Check each shard's size and block index (sha256) at start, and each block's CRC-32 when it is "
+        "first read: a damaged shard is refused with its file named, without reading every shard at start.",
+    )
     length_bucketing: bool = option(
         True,
         "Sort each window of data.bucket_window global batches by sentence length and permute those "
