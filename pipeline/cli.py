@@ -17,6 +17,7 @@ from typing import Any
 
 from pipeline.config import field_type, help_lines, load_config, parse_value
 from pipeline.errors import ConfigError, PipelineError
+from pipeline.io import disk_full_error, is_disk_full
 
 
 @dataclass(frozen=True)
@@ -174,12 +175,19 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(help_lines(module.Config)))
         return 0
     setup_logging()
+    cfg = None
     try:
         cfg = build_config(module.Config, rest, command.positional)
         return int(module.run(cfg) or 0)
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # a full disk under a write that does not go through pipeline.io.atomic_write
+        if not is_disk_full(exc):
+            raise
+        error = disk_full_error(exc, getattr(cfg, "out", None))
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

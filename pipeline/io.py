@@ -34,6 +34,7 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_parquet",
     "check_free_space",
+    "disk_full_error",
     "file_problem",
     "fsync_dir",
     "fsync_file",
@@ -62,6 +63,17 @@ def is_disk_full(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS:
         return True
     return "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
+
+
+def disk_full_error(exc: BaseException, directory: str | Path | None) -> DiskFullError:
+    """One line for an ENOSPC raised outside :func:`atomic_write` (a work file a stage streams into),
+    naming the output directory and its free space (the size of such a file is not known in advance)."""
+    where = Path(directory) if directory is not None else None
+    free = f", {_mib(shutil.disk_usage(where).free)} free" if where is not None and where.exists() else ""
+    return DiskFullError(
+        f"disk full in {where or 'the output directory'}{free} ({exc}): free space there (work files and "
+        "shards need about the size of the input again) and rerun the same command: finished work is kept"
+    )
 
 
 def _mib(size: int) -> str:
