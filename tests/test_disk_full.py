@@ -198,3 +198,18 @@ def test_training_stops_with_one_line_and_resumes_exactly_once_space_is_freed(
     got, ref = dump(run_dir), dump(tmp_path / "ref")
     for key in ("param_checksum", "queue_checksum", "cursor", "step", "samples_seen"):
         assert got[key] == ref[key], key
+
+
+def test_preprocess_on_a_full_disk_is_one_line_naming_the_output(mount_tmpfs, tmp_path):
+    """Preprocess's split pass streams its work files (not through atomic_write): the CLI still turns the
+    ENOSPC into one line naming the output directory, exit 74."""
+    import sys
+
+    from pipeline.resources import SAMPLE_CORPUS
+
+    out = mount_tmpfs("1m") / "out"
+    cmd = [sys.executable, "-m", "pipeline", "preprocess", str(SAMPLE_CORPUS), f"--out={out}", "--workers=2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    errors = [x[x.index("error:") :] for x in done.stderr.splitlines() if "error:" in x]
+    assert done.returncode == EXIT_CODE_DISK_FULL, done.stderr[-2000:]
+    assert len(errors) == 1 and f"disk full in {out}" in errors[0] and "Traceback" not in done.stderr
