@@ -17,6 +17,7 @@ import pytest
 from pipeline.cli import build_config, main
 from pipeline.errors import ConfigError, InputError
 from pipeline.preprocess.run import Config, run
+from pipeline.preprocess.text import clean_paragraphs, split_sentences
 from pipeline.resources import SAMPLE_CORPUS
 from pipeline.shards import read_manifest, read_shard, sentence_id, verify_shard
 
@@ -293,10 +294,13 @@ def test_text_fields_override(tmp_path):
         ("split/unit-000004.json", 2),
         ("dedup/part-000001.json", 1),
         ("shards/shard-000002.json", 1),
+        ("dedup/bucket-000003.json", 1),  # near-duplicate removal on (the bucket pieces of dedup)
     ],
 )
 def test_kill_9_then_rerun_equals_uninterrupted(tmp_path, kill_after, workers, caplog):
     args = [str(SAMPLE_CORPUS), "--chunk_bytes=65536", "--num_partitions=16", f"--workers={workers}"]
+    if "bucket" in kill_after:
+        args.append("--near_duplicates=true")
     clean = tmp_path / "clean"
     run(build_config(Config, [*args, f"--out={clean}"], "inputs"))
 
@@ -351,3 +355,54 @@ def test_bom_lone_surrogates_and_unicode_line_breaks(tmp_path):
     }
     counts = check_counts(read_manifest(tmp_path / "out"))
     assert counts["control_chars"] == 1 and counts["dropped"]["bad_json"] == 0
+
+
+def _near_duplicate_corpus(root: Path) -> tuple[list[str], list[tuple[str, str]]]:
+    """Plain lines: 40 distinct sentences of the bundled sample, and reposts of 20 of them (a tag
+    added, or one character changed), spread over two files.
+
+    Returns the sentences and the (sentence, repost) pairs."""
+    root.mkdir(parents=True, exist_ok=True)
+    sentences = [
+        s
+        for p in clean_paragraphs(SAMPLE_CORPUS.read_text(encoding="utf-8").splitlines()[:3000])
+        for s in split_sentences(p)
+        if 30 <= len(s) <= 80
+    ][::50][:40]
+    pairs = [(b, b[:-1] + "（转载自人民网）" + b[-1]) for b in sentences[:10]]
+    pairs += [(b, b[:12] + ("甲" if b[12] != "甲" else "乙") + b[13:]) for b in sentences[10:20]]
+    reposts = [r for _, r in pairs]
+    (root / "a.txt").write_text("\n".join(sentences[:25] + reposts[:10]) + "\n", encoding="utf-8")
+    (root / "b.txt").write_text("\n".join(sentences[25:] + reposts[10:]) + "\n", encoding="utf-8")
+    return sentences, pairs
+
+
+def test_near_duplicates_removed_counted_and_independent_of_the_work_layout(tmp_path):
+    sentences, pairs = _near_duplicate_corpus(tmp_path / "in")
+    assert len(set(sentences)) == 40
+    common = dict(sentences_per_shard=7, rows_per_block=3, near_duplicates=True)
+    run(cfg_for([tmp_path / "in"], tmp_path / "one", **common))
+    manifest = read_manifest(tmp_path / "one")
+    counts = check_counts(manifest)
+    texts = {r["text"] for r in read_rows(tmp_path / "one")}
+    assert all((a in texts) != (b in texts) for a, b in pairs)  # exactly one of each pair is kept
+    assert set(sentences[20:]) <= texts  # no sentence without a repost is taken for one
+    assert counts["dropped"]["near_duplicate"] == 20 and counts["kept"] == 40
+    examples = manifest["audit"]["samples"]["near_duplicate"]
+    assert len(examples) == 3
+    assert all(e["dropped"] not in texts and e["duplicates"] in texts for e in examples)
+    # a function of the texts and the seed: workers, array tasks and partitions change nothing
+    reference = out_bytes(tmp_path / "one")
+    run(cfg_for([tmp_path / "in"], tmp_path / "w2", workers=2, **common))
+    assert out_bytes(tmp_path / "w2") == reference
+    for phase in ("split", "dedup", "shards", "finalize"):
+        for task in range(3):
+            array = dict(phase=phase, task_index=task, num_tasks=3)
+            run(cfg_for([tmp_path / "in"], tmp_path / "t3", **array, **common))
+    assert out_bytes(tmp_path / "t3") == reference
+    run(cfg_for([tmp_path / "in"], tmp_path / "p7", num_partitions=7, **common))
+    tars = {k: v for k, v in out_bytes(tmp_path / "p7").items() if k.endswith(".tar")}
+    assert tars == {k: v for k, v in reference.items() if k.endswith(".tar")}
+    # off by default: every sentence and repost is kept
+    run(cfg_for([tmp_path / "in"], tmp_path / "off", sentences_per_shard=7, rows_per_block=3))
+    assert {r["text"] for r in read_rows(tmp_path / "off")} == set(sentences) | {r for _, r in pairs}

@@ -38,6 +38,7 @@ import pyarrow.compute as pc
 
 from pipeline.errors import InputError
 from pipeline.io import atomic_write, atomic_write_json, temporary_name
+from pipeline.preprocess.neardup import NearDupParams, band_hashes, near_duplicates, signatures
 from pipeline.preprocess.readers import SOURCES, Unit, iter_lines, line_number_base
 from pipeline.preprocess.text import (
     SAMPLES_PER_RULE,
@@ -63,6 +64,8 @@ BUFFER_BYTES = 32 << 20  # text held per unit before its partitions are written 
 DEDUP_BATCH_ROWS = 1 << 12  # rows per record batch in a partition file (random access by pass 3)
 
 _SPLIT_SCHEMA = pa.schema([pa.field("id", pa.uint64(), nullable=False), pa.field("text", pa.string())])
+_BAND_SCHEMA = pa.schema([pa.field("band", pa.uint64(), False), pa.field("key", pa.uint64(), False)])
+_DROP_SCHEMA = pa.schema([pa.field("key", pa.uint64(), False), pa.field("match", pa.uint64(), False)])
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd")
 
 
@@ -80,6 +83,7 @@ class Filters:
     strict: bool
     to_simplified: bool = False
     truncated_fields: tuple[str, ...] = ()  # "collection.field" whose unterminated tail is dropped
+    neardup: NearDupParams | None = None  # near-duplicate removal on: write (band hash, key) pairs
 
 
 # --------------------------------------------------------------------------------------------- layout
@@ -89,6 +93,14 @@ def split_paths(work: Path, unit: int) -> tuple[Path, Path]:
 
 def dedup_paths(work: Path, part: int) -> tuple[Path, Path]:
     return work / "dedup" / f"part-{part:06d}.arrow", work / "dedup" / f"part-{part:06d}.json"
+
+
+def bands_path(work: Path, unit: int) -> Path:
+    return work / "split" / f"unit-{unit:06d}.bands.arrow"
+
+
+def bucket_paths(work: Path, bucket: int) -> tuple[Path, Path]:
+    return work / "dedup" / f"bucket-{bucket:06d}.arrow", work / "dedup" / f"bucket-{bucket:06d}.json"
 
 
 def shard_entry_path(work: Path, shard: int) -> Path:
@@ -105,10 +117,14 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
 
 
 def is_done(data_path: Path, json_path: Path) -> bool:
-    """True if the piece's ``.json`` is readable and its data file has the recorded size."""
+    """True if the piece's ``.json`` is readable and its data files have the recorded sizes."""
     try:
-        return data_path.stat().st_size == read_json(json_path)["bytes"]
-    except (OSError, ValueError, KeyError):
+        meta = read_json(json_path)
+        extra = meta.get("extra_bytes", {})
+        return data_path.stat().st_size == meta["bytes"] and all(
+            (data_path.parent / name).stat().st_size == size for name, size in extra.items()
+        )
+    except (OSError, ValueError, KeyError, AttributeError):
         return False
 
 
@@ -143,23 +159,22 @@ def text_ids(texts: list[str]) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------- pass 1
-class _PartitionWriter:
-    """Buffers kept sentences of one unit and writes them grouped by partition."""
+class _RoutedWriter:
+    """Buffers rows of one unit and writes them to one Arrow IPC file grouped by a routing column
+    (``part``: the key partition of a sentence, the bucket of a band hash)."""
 
-    def __init__(self, path: Path, filters: Filters):
-        self.path, self.tmp, self.filters = path, temporary_name(path), filters
+    def __init__(self, path: Path, schema: pa.Schema):
+        self.path, self.tmp, self.schema = path, temporary_name(path), schema
         self.sink = pa.OSFile(str(self.tmp), "wb")
-        self.writer = pa.ipc.new_file(self.sink, _SPLIT_SCHEMA, options=_IPC_OPTIONS)
+        self.writer = pa.ipc.new_file(self.sink, schema, options=_IPC_OPTIONS)
         self.pending: list[pa.Table] = []
         self.pending_bytes = 0
         self.batches: dict[int, list[int]] = {}
         self.num_batches = 0
 
-    def add(self, texts: list[str]) -> None:
-        ids = text_ids(texts)
-        parts = partition_of(shuffle_keys(ids, self.filters.seed), self.filters.num_partitions)
-        self.pending.append(pa.table({"id": ids, "text": pa.array(texts, pa.string()), "part": parts}))
-        self.pending_bytes += sum(map(len, texts)) * 3
+    def add(self, table: pa.Table, nbytes: int) -> None:
+        self.pending.append(table)
+        self.pending_bytes += nbytes
         if self.pending_bytes >= BUFFER_BYTES:
             self.flush()
 
@@ -171,7 +186,7 @@ class _PartitionWriter:
         parts = table["part"].to_numpy()
         starts = np.flatnonzero(np.r_[True, parts[1:] != parts[:-1]])
         ends = np.r_[starts[1:], len(parts)]
-        data = table.select(["id", "text"]).cast(_SPLIT_SCHEMA)
+        data = table.select(self.schema.names).cast(self.schema)
         for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
             for batch in data.slice(start, end - start).combine_chunks().to_batches():
                 self.writer.write_batch(batch)
@@ -193,6 +208,40 @@ class _PartitionWriter:
             self.sink.close()
         finally:
             self.tmp.unlink(missing_ok=True)
+
+
+class _PartitionWriter:
+    """Routes kept sentences of one unit into key partitions and, with near-duplicate removal on,
+    their (band hash, key) pairs into buckets (``bands_path``)."""
+
+    def __init__(self, path: Path, bands: Path, filters: Filters):
+        self.filters = filters
+        self.sentences = _RoutedWriter(path, _SPLIT_SCHEMA)
+        self.bands = _RoutedWriter(bands, _BAND_SCHEMA) if filters.neardup else None
+
+    def add(self, texts: list[str]) -> None:
+        ids = text_ids(texts)
+        keys = shuffle_keys(ids, self.filters.seed)
+        parts = partition_of(keys, self.filters.num_partitions)
+        table = pa.table({"id": ids, "text": pa.array(texts, pa.string()), "part": parts})
+        self.sentences.add(table, sum(map(len, texts)) * 3)
+        params = self.filters.neardup
+        if self.bands is not None and params is not None:
+            hashes = band_hashes(signatures(texts, params, self.filters.seed), params).ravel()
+            buckets = partition_of(hashes, self.filters.num_partitions)
+            pairs = pa.table({"band": hashes, "key": np.repeat(keys, params.bands), "part": buckets})
+            self.bands.add(pairs, 24 * len(hashes))
+
+    def close(self) -> tuple[dict[str, list[int]], dict[str, list[int]] | None]:
+        batches = self.sentences.close()
+        return batches, self.bands.close() if self.bands is not None else None
+
+    def abort(self) -> None:
+        try:
+            self.sentences.abort()
+        finally:
+            if self.bands is not None:
+                self.bands.abort()
 
 
 class _BadRecords:
@@ -224,9 +273,10 @@ def _filter_and_add(
     cleaner: Cleaner,
     progress: Progress,
 ) -> None:
-    kept, dropped, masks = filter_sentences(
+    kept, dropped, masks, repaired = filter_sentences(
         candidates, filters.min_chars, filters.max_chars, filters.min_cjk_ratio
     )
+    cleaner.note_repaired(repaired)
     counts.update(dropped)
     for reason, mask in masks.items():
         if dropped[reason] and cleaner.wants(reason):
@@ -242,11 +292,11 @@ def split_unit(work: Path, index: int, unit: Unit, filters: Filters, progress: P
     arrow_path, json_path = split_paths(work, index)
     counts: Counter = Counter()
     bad = _BadRecords(unit, counts, filters.strict)
-    writer = _PartitionWriter(arrow_path, filters)
+    writer = _PartitionWriter(arrow_path, bands_path(work, index), filters)
     cleaner = Cleaner(filters.to_simplified)
     try:
         _read_unit(unit, filters, counts, bad, writer, cleaner, progress)
-        batches = writer.close()
+        batches, band_batches = writer.close()
     except BaseException:
         writer.abort()
         raise
@@ -259,6 +309,9 @@ def split_unit(work: Path, index: int, unit: Unit, filters: Filters, progress: P
         "audit": cleaner.audit(),
         "bytes": arrow_path.stat().st_size,
     }
+    if band_batches is not None:
+        result["band_batches"] = band_batches
+        result["extra_bytes"] = {bands_path(work, index).name: bands_path(work, index).stat().st_size}
     write_json(json_path, result)
     return result
 
@@ -389,6 +442,11 @@ def dedup_partition(
         text = table["text"]
         equal = pc.equal(text.take(order[same_key]), text.take(order[same_key - 1]))
         keep[same_key[equal.to_numpy(zero_copy_only=False)]] = False
+    # Distinct texts with one 64-bit key (a hash collision; practically never): near-duplicate
+    # removal works by key and would remove each of them, so they are counted.
+    kept_keys = sorted_keys[keep]
+    shared = np.flatnonzero(kept_keys[1:] == kept_keys[:-1])
+    shared_keys = Counter(int(k) for k in kept_keys[shared].tolist())
     duplicates = np.flatnonzero(~keep)[:SAMPLES_PER_RULE]
     samples = {"duplicate": table["text"].take(order[duplicates]).to_pylist()} if len(duplicates) else {}
     final = order[keep]
@@ -406,12 +464,93 @@ def dedup_partition(
         "partition": part,
         "rows_in": rows_in,
         "unique": out.num_rows,
+        "shared_keys": {str(k): n + 1 for k, n in sorted(shared_keys.items())},
         "samples": samples,
         "bytes": arrow_path.stat().st_size,
     }
     write_json(json_path, result)
     progress(rows_in)
     return result
+
+
+def near_dup_bucket(
+    work: Path, bucket: int, pieces: list[tuple[str, list[int]]], num_partitions: int, progress: Progress
+) -> dict[str, Any]:
+    """Pass 2 for one near-duplicate bucket: gather its (band hash, key) pairs from every unit, apply
+    the rule of ``neardup.near_duplicates`` and write the dropped keys grouped by key partition."""
+    arrow_path, json_path = bucket_paths(work, bucket)
+    tables = []
+    for path, batch_indices in pieces:
+        with pa.OSFile(path) as source_file:
+            reader = pa.ipc.open_file(source_file)
+            tables.append(pa.Table.from_batches([reader.get_batch(i) for i in batch_indices], _BAND_SCHEMA))
+    table = pa.concat_tables(tables).combine_chunks() if tables else _BAND_SCHEMA.empty_table()
+    del tables
+    drop, match = near_duplicates(table["band"].to_numpy(), table["key"].to_numpy())
+    pairs = table.num_rows
+    del table
+    parts = partition_of(drop, num_partitions)
+    order = np.argsort(parts, kind="stable")  # drop is sorted by key: stays sorted inside a partition
+    drop, match, parts = drop[order], match[order], parts[order]
+    starts = np.flatnonzero(np.r_[True, parts[1:] != parts[:-1]]) if len(parts) else np.zeros(0, np.int64)
+    ends = np.r_[starts[1:], len(parts)]
+    batches: dict[str, list[int]] = {}
+
+    def write(tmp: Path) -> None:
+        with pa.OSFile(str(tmp), "wb") as sink:
+            w = pa.ipc.new_file(sink, _DROP_SCHEMA, options=_IPC_OPTIONS)
+            for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
+                w.write_batch(pa.record_batch([drop[start:end], match[start:end]], schema=_DROP_SCHEMA))
+                batches[str(int(parts[start]))] = [i]
+            w.close()
+
+    atomic_write(arrow_path, write, durable=False)
+    result = {
+        "bucket": bucket,
+        "pairs": pairs,
+        "dropped": len(drop),
+        "batches": batches,
+        "examples": [[int(d), int(m)] for d, m in zip(drop[:SAMPLES_PER_RULE], match[:SAMPLES_PER_RULE])],
+        "bytes": arrow_path.stat().st_size,
+    }
+    write_json(json_path, result)
+    progress(pairs)
+    return result
+
+
+def near_dup_drops(work: Path, buckets: list[dict[str, Any]], num_partitions: int) -> list[np.ndarray]:
+    """For each key partition, the sorted unique keys that some bucket dropped."""
+    found: list[list[np.ndarray]] = [[] for _ in range(num_partitions)]
+    for meta in buckets:
+        if not meta["batches"]:
+            continue
+        with pa.OSFile(str(bucket_paths(work, meta["bucket"])[0])) as source_file:
+            reader = pa.ipc.open_file(source_file)
+            for part, indices in meta["batches"].items():
+                for i in indices:
+                    found[int(part)].append(reader.get_batch(i).column(0).to_numpy())
+    return [np.unique(np.concatenate(f)) if f else np.zeros(0, np.uint64) for f in found]
+
+
+def removed_rows(drops: np.ndarray, shared_keys: dict[str, int]) -> int:
+    """Rows of a partition that its dropped keys remove (a key shared by n texts removes n rows)."""
+    extra = sum(n - 1 for k, n in shared_keys.items() if drops.size and _contains(drops, int(k)))
+    return len(drops) + extra
+
+
+def _contains(sorted_keys: np.ndarray, key: int) -> bool:
+    i = int(np.searchsorted(sorted_keys, np.uint64(key)))
+    return i < len(sorted_keys) and int(sorted_keys[i]) == key
+
+
+def read_partition(path: str, drops: np.ndarray | None, seed: int) -> pa.Table:
+    """A whole deduplicated partition, without the rows whose shuffle key is in ``drops``."""
+    with pa.OSFile(path) as source_file:
+        table = pa.ipc.open_file(source_file).read_all()
+    if drops is None or not len(drops):
+        return table
+    keys = shuffle_keys(table["id"].to_numpy(), seed)
+    return table.filter(pa.array(~np.isin(keys, drops)))
 
 
 # --------------------------------------------------------------------------------------------- pass 3
@@ -421,11 +560,19 @@ def write_output_shard(
     shard: int,
     pieces: list[tuple[str, int, int]],
     rows_per_block: int,
+    drops: list[np.ndarray] | None,
+    seed: int,
     progress: Progress,
 ) -> dict[str, Any]:
-    """Pass 3 for one shard: rows ``[lo, hi)`` of each listed partition file, in order, cut into blocks."""
+    """Pass 3 for one shard: rows ``[lo, hi)`` of each listed partition file, in order, cut into blocks.
+
+    With ``drops`` (near-duplicate removal; one array of dropped keys per piece) the row numbers
+    count the partition's rows without the dropped ones, so the whole partition is read."""
     tables = []
-    for path, lo, hi in pieces:
+    for number, (path, lo, hi) in enumerate(pieces):
+        if drops is not None:
+            tables.append(read_partition(path, drops[number], seed).slice(lo, hi - lo).combine_chunks())
+            continue
         with pa.OSFile(path) as source_file:
             reader = pa.ipc.open_file(source_file)
             first, last = lo // DEDUP_BATCH_ROWS, (hi - 1) // DEDUP_BATCH_ROWS

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -32,6 +33,7 @@ from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_json
 from pipeline.preprocess import passes
+from pipeline.preprocess.neardup import NearDupParams
 from pipeline.preprocess.readers import COLLECTIONS, Unit, expand_inputs, plan_units
 from pipeline.resources import SAMPLE_CORPUS
 from pipeline.shards import MANIFEST, new_manifest, shard_name
@@ -95,6 +97,12 @@ class Config:
         "(truncated); [] keeps every tail.",
     )
     to_simplified: bool = option(False, "Convert traditional to simplified Chinese (OpenCC t2s).")
+    near_duplicates: bool = option(
+        False, "Remove near duplicates (MinHash-LSH over character shingles; near_duplicate)."
+    )
+    near_dup_shingle: int = option(3, "Characters per shingle for near-duplicate detection.")
+    near_dup_bands: int = option(10, "LSH bands; a pair sharing one band's hash is a near duplicate.")
+    near_dup_rows: int = option(6, "MinHash values per band (threshold about (1/bands)^(1/rows) = 0.68).")
     max_record_bytes: int = option(4 << 20, "Longer input lines are dropped and counted (too_long_record).")
     chunk_bytes: int = option(4 << 20, "Uncompressed files are split into units of this many bytes.")
     num_partitions: int = option(0, "Hash partitions for dedup (0 = about one per 16 MB of input).")
@@ -131,12 +139,21 @@ class Config:
                     f"truncated_fields: {name!r} is not collection.field with a collection of "
                     f"{', '.join(COLLECTIONS)} (e.g. webtext2019zh.content)"
                 )
+        for name in ("near_dup_shingle", "near_dup_bands", "near_dup_rows"):
+            if not 1 <= getattr(self, name) <= 64:
+                raise ConfigError(f"{name} must be in [1, 64], got {getattr(self, name)}")
         if self.max_record_bytes < 1024:
             raise ConfigError(f"max_record_bytes must be >= 1024, got {self.max_record_bytes}")
         if self.chunk_bytes < 1 << 16:
             raise ConfigError(f"chunk_bytes must be >= 65536, got {self.chunk_bytes}")
         if not 0 <= self.num_partitions <= 1 << 20:
             raise ConfigError(f"num_partitions must be in [0, 1048576] (0 = auto), got {self.num_partitions}")
+
+    @property
+    def neardup(self) -> NearDupParams | None:
+        if not self.near_duplicates:
+            return None
+        return NearDupParams(self.near_dup_shingle, self.near_dup_bands, self.near_dup_rows)
 
     @property
     def work(self) -> Path:
@@ -290,6 +307,7 @@ def _split_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
         strict=cfg.strict,
         to_simplified=cfg.to_simplified,
         truncated_fields=tuple(cfg.truncated_fields),
+        neardup=cfg.neardup,
     )
     mine = _mine(cfg, len(plan.units))
     todo = [u for u in mine if not passes.is_done(*passes.split_paths(cfg.work, u))]
@@ -302,31 +320,64 @@ def _split_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
 
 
 def _dedup_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
+    """Exact dedup of each key partition and, with near-duplicate removal on, the rule of each
+    band-hash bucket: P + Q independent pieces (Q = P buckets), spread over the tasks alike."""
     metas = _require(cfg, "split", [passes.split_paths(cfg.work, u) for u in range(len(plan.units))])
     pieces: dict[int, list[tuple[str, list[int], int]]] = {}
+    bucket_pieces: dict[int, list[tuple[str, list[int]]]] = {}
     for u, meta in enumerate(metas):
         arrow = str(passes.split_paths(cfg.work, u)[0])
         for part, batch_indices in meta["batches"].items():
             pieces.setdefault(int(part), []).append((arrow, batch_indices, meta["source"]))
-    mine = _mine(cfg, plan.num_partitions)
-    todo = [p for p in mine if not passes.is_done(*passes.dedup_paths(cfg.work, p))]
-    _log_skipped("dedup", "partitions", len(mine), len(todo))
+        bands = str(passes.bands_path(cfg.work, u))
+        for bucket, batch_indices in meta.get("band_batches", {}).items():
+            bucket_pieces.setdefault(int(bucket), []).append((bands, batch_indices))
+    num_buckets = plan.num_partitions if cfg.near_duplicates else 0
+    mine = _mine(cfg, plan.num_partitions + num_buckets)
+    parts = [p for p in mine if p < plan.num_partitions]
+    buckets = [p - plan.num_partitions for p in mine if p >= plan.num_partitions]
+    todo = [p for p in parts if not passes.is_done(*passes.dedup_paths(cfg.work, p))]
+    todo_buckets = [q for q in buckets if not passes.is_done(*passes.bucket_paths(cfg.work, q))]
+    _log_skipped("dedup", "partitions and buckets", len(mine), len(todo) + len(todo_buckets))
     jobs = [(passes.dedup_partition, (cfg.work, p, pieces.get(p, []), cfg.seed)) for p in todo]
-    with tqdm(desc="dedup", unit="sent", unit_scale=True, dynamic_ncols=True, mininterval=1.0) as bar:
+    jobs += [
+        (passes.near_dup_bucket, (cfg.work, q, bucket_pieces.get(q, []), plan.num_partitions))
+        for q in todo_buckets
+    ]
+    with tqdm(desc="dedup", unit="row", unit_scale=True, dynamic_ncols=True, mininterval=1.0) as bar:
         for _ in executor.run(jobs, bar.update):
             pass
 
 
-def _shard_ranges(cfg: Config, plan: Plan) -> list[list[tuple[str, int, int]]]:
-    """For each output shard, the (partition file, first row, end row) pieces it is cut from."""
+def _near_dup_drops(cfg: Config, plan: Plan) -> list[np.ndarray] | None:
+    """Per key partition the keys near-duplicate removal dropped (None when it is off)."""
+    if not cfg.near_duplicates:
+        return None
+    paths = [passes.bucket_paths(cfg.work, q) for q in range(plan.num_partitions)]
+    return passes.near_dup_drops(cfg.work, _require(cfg, "dedup", paths), plan.num_partitions)
+
+
+def _partition_rows(cfg: Config, plan: Plan, drops: list[np.ndarray] | None) -> list[int]:
+    """Rows each partition contributes to the output: unique, less its near duplicates."""
     paths = [passes.dedup_paths(cfg.work, p) for p in range(plan.num_partitions)]
     metas = _require(cfg, "dedup", paths)
-    total = sum(m["unique"] for m in metas)
+    if drops is None:
+        return [m["unique"] for m in metas]
+    return [m["unique"] - passes.removed_rows(d, m.get("shared_keys", {})) for m, d in zip(metas, drops)]
+
+
+def _shard_ranges(
+    cfg: Config, plan: Plan, drops: list[np.ndarray] | None = None
+) -> list[list[tuple[str, int, int]]]:
+    """For each output shard, the (partition file, first row, end row) pieces it is cut from."""
+    paths = [passes.dedup_paths(cfg.work, p) for p in range(plan.num_partitions)]
+    rows = _partition_rows(cfg, plan, drops)
+    total = sum(rows)
     size = cfg.sentences_per_shard
     ranges: list[list[tuple[str, int, int]]] = [[] for _ in range(math.ceil(total / size))]
     offset = 0
-    for (arrow, _), meta in zip(paths, metas, strict=True):
-        lo, end = offset, offset + meta["unique"]
+    for (arrow, _), count in zip(paths, rows, strict=True):
+        lo, end = offset, offset + count
         while lo < end:  # split this partition's global range [offset, end) at shard boundaries
             shard = lo // size
             hi = min(end, (shard + 1) * size)
@@ -337,7 +388,8 @@ def _shard_ranges(cfg: Config, plan: Plan) -> list[list[tuple[str, int, int]]]:
 
 
 def _shards_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
-    ranges = _shard_ranges(cfg, plan)
+    drops = _near_dup_drops(cfg, plan)
+    ranges = _shard_ranges(cfg, plan, drops)
     mine = _mine(cfg, len(ranges))
     todo = [
         s for s in mine if not passes.is_done(cfg.out / shard_name(s), passes.shard_entry_path(cfg.work, s))
@@ -345,20 +397,40 @@ def _shards_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
     _log_skipped("shards", "shards", len(mine), len(todo))
     cfg.out.mkdir(parents=True, exist_ok=True)
     args = (cfg.out, cfg.work)
-    jobs = [(passes.write_output_shard, (*args, s, ranges[s], cfg.rows_per_block)) for s in todo]
+    jobs = [
+        (
+            passes.write_output_shard,
+            (*args, s, ranges[s], cfg.rows_per_block, *_piece_drops(ranges[s], drops, cfg)),
+        )
+        for s in todo
+    ]
     with tqdm(desc="shards", unit="sent", unit_scale=True, dynamic_ncols=True, mininterval=1.0) as bar:
         for _ in executor.run(jobs, bar.update):
             pass
 
 
+def _piece_drops(
+    pieces: list[tuple[str, int, int]], drops: list[np.ndarray] | None, cfg: Config
+) -> tuple[list[np.ndarray] | None, int]:
+    """The dropped keys of each piece's partition (only those travel to the worker), and the seed."""
+    if drops is None:
+        return None, cfg.seed
+    index = {str(passes.dedup_paths(cfg.work, p)[0]): p for p in range(len(drops))}
+    return [drops[index[path]] for path, _, _ in pieces], cfg.seed
+
+
 def _finalize(cfg: Config, plan: Plan, elapsed: float) -> None:
     units = _require(cfg, "split", [passes.split_paths(cfg.work, u) for u in range(len(plan.units))])
     parts = _require(cfg, "dedup", [passes.dedup_paths(cfg.work, p) for p in range(plan.num_partitions)])
-    num_shards = len(_shard_ranges(cfg, plan))
+    drops = _near_dup_drops(cfg, plan)
+    num_shards = len(_shard_ranges(cfg, plan, drops))
     shards = [(cfg.out / shard_name(s), passes.shard_entry_path(cfg.work, s)) for s in range(num_shards)]
     entries = _require(cfg, "shards", shards)
-    counts = summed_counts([u["counts"] for u in units], parts)
+    near_duplicate = sum(p["unique"] for p in parts) - sum(_partition_rows(cfg, plan, drops))
+    counts = summed_counts([u["counts"] for u in units], parts, near_duplicate)
     audit = merged_audit(units, parts)
+    if drops is not None:
+        audit["samples"]["near_duplicate"] = _near_dup_examples(cfg, plan)
     manifest = new_manifest("preprocess", output_config(cfg), entries, counts=counts, audit=audit)
     atomic_write_json(cfg.out / MANIFEST, manifest)
     # The manifest is down: the intermediate files and any temporary file of a killed writer can go.
@@ -410,15 +482,35 @@ def merged_audit(units: list[dict[str, Any]], parts: list[dict[str, Any]]) -> di
     return {"rules": dict(rules), "samples": dict(sorted(samples.items()))}
 
 
-def summed_counts(unit_counts: list[dict[str, int]], parts: list[dict[str, Any]]) -> dict[str, Any]:
+def _near_dup_examples(cfg: Config, plan: Plan) -> list[dict[str, str]]:
+    """The first few near duplicates with the sentence each duplicates (buckets in order)."""
+    pairs: list[tuple[int, int]] = []
+    for q in range(plan.num_partitions):
+        meta = passes.read_json(passes.bucket_paths(cfg.work, q)[1])
+        pairs += [(d, m) for d, m in meta["examples"]][: passes.SAMPLES_PER_RULE - len(pairs)]
+        if len(pairs) >= passes.SAMPLES_PER_RULE:
+            break
+    texts: dict[int, str] = {}
+    for key in sorted({k for pair in pairs for k in pair}):
+        part = int(passes.partition_of(np.array([key], np.uint64), plan.num_partitions)[0])
+        table = passes.read_partition(str(passes.dedup_paths(cfg.work, part)[0]), None, cfg.seed)
+        keys = passes.shuffle_keys(table["id"].to_numpy(), cfg.seed)
+        texts[key] = table["text"][int(np.flatnonzero(keys == np.uint64(key))[0])].as_py()
+    return [{"dropped": texts[d], "duplicates": texts[m]} for d, m in pairs]
+
+
+def summed_counts(
+    unit_counts: list[dict[str, int]], parts: list[dict[str, Any]], near_duplicate: int = 0
+) -> dict[str, Any]:
     """Manifest counts: records, sentences_split, kept, dropped by reason (see shards/README.md)."""
     total: Counter = Counter()
     for counts in unit_counts:
         total.update(counts)
     rows_in = sum(p["rows_in"] for p in parts)
     kept = sum(p["unique"] for p in parts)
-    total["near_duplicate"] = sum(p.get("near_duplicate", 0) for p in parts)
-    total["duplicate"] = rows_in - kept - total["near_duplicate"]
+    total["duplicate"] = rows_in - kept
+    total["near_duplicate"] = near_duplicate
+    kept -= near_duplicate
     dropped = {r: total[r] for r in (*passes.RECORD_REASONS, *passes.SENTENCE_REASONS)}
     return {
         "records": total["records"],
