@@ -75,6 +75,12 @@ def test_empty_brackets_and_separators_at_bracket_edges():
     edges = remove_empty_brackets("罗宾（Robin Söderling，），协会（，OSTA）")
     assert edges == "罗宾（Robin Söderling），协会（OSTA）"
     assert remove_empty_brackets("函数f()和（注）") == "函数f和（注）"
+    # in a batch the candidates are found by character classes; a bracket that opens at the end of
+    # one sentence and one that closes at the start of the next are not a pair
+    batch = ["第一句（）在这里。", "结尾是左括号（", "）开头是右括号", "作者（Robin，）。", "没有括号。"]
+    kept, _, _, repaired = filter_sentences(batch, min_chars=1, max_chars=99, min_cjk_ratio=0.5)
+    assert repaired == [("第一句（）在这里。", "第一句在这里。"), ("作者（Robin，）。", "作者（Robin）。")]
+    assert kept == ["第一句在这里。", "结尾是左括号（", "）开头是右括号", "作者（Robin）。", "没有括号。"]
 
 
 def test_sentence_split_does_not_cut_before_a_comma_or_after_an_ellipsis_in_brackets():
@@ -164,7 +170,7 @@ def test_cjk_share_counts_words_and_numbers_not_characters():
         "2014、2015、2016",
         "ようこそ日本へ、東京です。",
     ]
-    kept, dropped, masks = filter_sentences(sentences, min_chars=5, max_chars=256, min_cjk_ratio=0.5)
+    kept, dropped, masks, _ = filter_sentences(sentences, min_chars=5, max_chars=256, min_cjk_ratio=0.5)
     assert kept == sentences[:2]
     assert dropped["low_cjk"] == 4 and masks["low_cjk"].tolist() == [False, False, True, True, True, True]
 
@@ -177,7 +183,7 @@ def test_filter_sentences_counts_each_drop_once():
         "长" * 31,
         "𠀀𠀁𠀂𠀃𠀄ab",
     ]
-    kept, dropped, _ = filter_sentences(sentences, min_chars=5, max_chars=30, min_cjk_ratio=0.5)
+    kept, dropped, _, _ = filter_sentences(sentences, min_chars=5, max_chars=30, min_cjk_ratio=0.5)
     assert kept == ["这是一个足够长的中文句子。", "𠀀𠀁𠀂𠀃𠀄ab"]  # astral ideographs are one character each
     assert dropped == {"too_short": 1, "too_long": 1, "low_cjk": 1}
     assert [cjk_count(s) for s in kept] == [12, 5]

@@ -111,26 +111,21 @@ _SEPARATORS = r"\s，,、；;：:"
 _BRACKET_EDGE_RE = re.compile(
     rf"(?<=[（(])[{_SEPARATORS}]+(?=[^{_SEPARATORS}）)])|(?<=[^{_SEPARATORS}（(])[{_SEPARATORS}]+(?=[）)])"
 )
-# One search that says whether any markup rule could apply (most fields: no, and nothing else runs).
-_MARKUP_HINT_RE = re.compile(
-    rf"-\{{|\}}-|<[A-Za-z/!]|&[#A-Za-z]|[（(「『【《〈“‘\[][{_SEPARATORS}]*[）)」』】》〉”’\]]"
-    rf"|[（(][{_SEPARATORS}]|[{_SEPARATORS}][）)]"
-)
-
 # --------------------------------------------------------------------------------------------- split
 # A sentence ends with a run of terminators (。！？；… and their half-width forms, so "！？" and
 # "……" stay one end); closing quotes and brackets that follow belong to the same sentence. It does
 # not end there when what follows continues it: a comma, enumeration comma or colon ("“好！”，他说"),
 # or after an ellipsis, a closing bracket or quote and more text ("（甲，乙……）里" is an enumeration).
-# Separators and closing marks at the start of a sentence are dropped (outside the captured group).
+# Separators and closing marks at the start of a paragraph are dropped (only there can a sentence
+# start with one: after a terminator they either continue the sentence or belong to its end).
+# Possessive quantifiers: nothing here ever needs to backtrack, and sre is faster told so.
 _TERMINATORS = "。！？；!?;…"
 _CLOSERS = "”’」』）)】》〕〗〉\"'"
 _CONTINUATION = "，、,：:"
 _LEADING = "，、,：:；;" + _CLOSERS.replace('"', "").replace("'", "")
 _SENTENCE_RE = re.compile(
-    rf"[{_LEADING}]*("
-    rf"(?:[^{_TERMINATORS}]+|[{_TERMINATORS}]+[{_CLOSERS}]*(?=[{_CONTINUATION}])|…+[{_CLOSERS}]+(?=[^{_TERMINATORS}]))*"
-    rf"(?:[{_TERMINATORS}]+[{_CLOSERS}]*)?)"
+    rf"(?:[^{_TERMINATORS}]++|[{_TERMINATORS}]++[{_CLOSERS}]*+(?=[{_CONTINUATION}])"
+    rf"|…++[{_CLOSERS}]++(?=[^{_TERMINATORS}]))*+(?:[{_TERMINATORS}]++[{_CLOSERS}]*+)?"
 )
 _ENDS_SENTENCE = tuple(_TERMINATORS + _CLOSERS)
 
@@ -163,7 +158,7 @@ def remove_whitespace(text: str) -> str:
 
 def split_sentences(paragraph: str) -> list[str]:
     """Split one cleaned paragraph (no newlines) into sentences, terminators kept at the end."""
-    return [s for s in _SENTENCE_RE.findall(paragraph) if s]
+    return [s for s in _SENTENCE_RE.findall(paragraph.lstrip(_LEADING)) if s]
 
 
 def _conversion(match: re.Match) -> str:
@@ -216,44 +211,74 @@ def cjk_count(text: str) -> int:
     return len(_NON_CJK_RE.sub("", text))
 
 
-def _is_cjk(codes: np.ndarray) -> np.ndarray:
-    return (
-        ((codes >= 0x4E00) & (codes <= 0x9FFF))
-        | ((codes >= 0x3400) & (codes <= 0x4DBF))
-        | ((codes >= 0xF900) & (codes <= 0xFAFF))
-        | ((codes >= 0x20000) & (codes <= 0x2EBEF))
-    )
+# One class byte per code point below 0x30000 (higher ones are CJK extensions or nothing we count).
+# Low 3 bits: the CJK-share unit a character is or starts; high bits: its role in an empty bracket.
+_CJK_UNIT, _LATIN, _DIGIT, _OTHER_LETTER, _UNIT_BITS = 1, 2, 3, 4, 7
+_OPEN, _CLOSE, _SEP, _PAREN_CLOSE = 8, 16, 32, 64
 
 
-def _is_latin(codes: np.ndarray) -> np.ndarray:
-    lower = codes | 0x20  # ASCII upper -> lower
-    return ((lower >= 0x61) & (lower <= 0x7A)) | (
-        (codes >= 0xC0) & (codes <= 0x24F) & (codes != 0xD7) & (codes != 0xF7)
-    )
+def _class_table() -> np.ndarray:
+    table = np.zeros(0x30000, np.uint8)
+    for lo, hi in ((0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0x20000, 0x2EBEF)):
+        table[lo : hi + 1] = _CJK_UNIT
+    table[ord("A") : ord("Z") + 1] = table[ord("a") : ord("z") + 1] = _LATIN
+    table[0xC0:0x250] = _LATIN
+    table[[0xD7, 0xF7]] = 0  # × ÷
+    table[ord("0") : ord("9") + 1] = _DIGIT
+    # letters of other scripts (Greek to Ethiopic, kana, hangul): each one is a unit
+    for lo, hi in ((0x370, 0x1FFF), (0x3040, 0x30FF), (0x3130, 0x318F), (0xAC00, 0xD7AF)):
+        table[lo : hi + 1] = _OTHER_LETTER
+    table[[ord(c) for c in "（(「『【《〈“‘["]] |= _OPEN
+    table[[ord(c) for c in "）)」』】》〉”’]"]] |= _CLOSE
+    table[[ord(c) for c in "，,、；;：: "]] |= _SEP
+    table[[ord(c) for c in "）)"]] |= _PAREN_CLOSE
+    return table
 
 
-def _is_other_letter(codes: np.ndarray) -> np.ndarray:
-    """Letters of other scripts (Greek to Ethiopic, kana, hangul): each one counts as a unit."""
-    return (
-        ((codes >= 0x370) & (codes < 0x2000))
-        | ((codes >= 0x3040) & (codes < 0x3100))
-        | ((codes >= 0x3130) & (codes < 0x3190))
-        | ((codes >= 0xAC00) & (codes < 0xD7B0))
-    )
+_CLASS = _class_table()
 
 
-def _run_starts(mask: np.ndarray, sentence_starts: np.ndarray) -> np.ndarray:
+def _classify(sentences: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Lengths, start offsets and the class byte of every character of the batch (UTF-32, one
+    code unit per character)."""
+    lengths = np.fromiter(map(len, sentences), dtype=np.int64, count=len(sentences))
+    codes = np.frombuffer("".join(sentences).encode("utf-32-le", "surrogatepass"), dtype="<u4")
+    classes = _CLASS[np.minimum(codes, len(_CLASS) - 1)]
+    return lengths, np.cumsum(lengths) - lengths, classes
+
+
+def _pairs(first: np.ndarray, second: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Positions i where ``first[i]`` and ``second[i + 1]`` hold inside one sentence."""
+    pairs = first[:-1] & second[1:]
+    pairs[starts[(starts > 0) & (starts < len(first))] - 1] = False
+    return np.flatnonzero(pairs)
+
+
+def _run_starts(mask: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """True where a run of ``mask`` begins (a run never continues across a sentence boundary)."""
-    starts = mask.copy()
-    starts[1:] &= ~mask[:-1]
-    starts[sentence_starts] = mask[sentence_starts]
-    return starts
+    begins = mask.copy()
+    begins[1:] &= ~mask[:-1]
+    begins[starts] = mask[starts]
+    return begins
+
+
+def _empty_brackets(classes: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Sentences (indices) with an opener right before a closer or separator, or a separator right
+    before a closing parenthesis: where ``remove_empty_brackets`` may have work."""
+    found = np.concatenate(
+        [
+            _pairs((classes & _OPEN) > 0, (classes & (_CLOSE | _SEP)) > 0, starts),
+            _pairs((classes & _SEP) > 0, (classes & _PAREN_CLOSE) > 0, starts),
+        ]
+    )
+    return np.unique(np.searchsorted(starts, found, side="right") - 1)
 
 
 def filter_sentences(
     sentences: list[str], min_chars: int, max_chars: int, min_cjk_ratio: float
-) -> tuple[list[str], dict[str, int], dict[str, np.ndarray]]:
-    """Keep sentences of min..max characters in which CJK ideographs make ``min_cjk_ratio`` of the units.
+) -> tuple[list[str], dict[str, int], dict[str, np.ndarray], list[tuple[str, str]]]:
+    """Repair empty brackets, then keep sentences of min..max characters in which CJK ideographs
+    make ``min_cjk_ratio`` of the units.
 
     Units are what a reader sees as words: each CJK ideograph, each run of Latin letters (a word:
     "Windows", "René"), each run of digits (a number), each letter of another script. Punctuation,
@@ -261,25 +286,34 @@ def filter_sentences(
     English sentence or a row of numbers has (nearly) none.
 
     Returns the kept sentences (in order), the drop counts (too_short, too_long, low_cjk; each
-    sentence counted once, under the first rule it fails) and the drop masks. Vectorised: the batch
-    is encoded once as UTF-32 (one code unit per character) and every test is a numpy comparison.
+    sentence counted once, under the first rule it fails), the drop masks and the repaired
+    sentences (before, after). Vectorised: the batch is encoded once as UTF-32, one table lookup
+    classifies every character, per-sentence sums are differences of cumulative sums; the bracket
+    regular expressions run only on the few sentences the classes point to.
     """
-    lengths = np.fromiter(map(len, sentences), dtype=np.int64, count=len(sentences))
-    codes = np.frombuffer("".join(sentences).encode("utf-32-le", "surrogatepass"), dtype="<u4")
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    nonempty_starts = starts[lengths > 0]
-    cjk_mask = _is_cjk(codes)
+    lengths, starts, classes = _classify(sentences)
+    ends = starts + lengths
+    nonempty = starts[lengths > 0]
+    unit = classes & _UNIT_BITS
+    cjk_mask = unit == _CJK_UNIT
     units_mask = (
         cjk_mask
-        | _run_starts(_is_latin(codes), nonempty_starts)
-        | _run_starts((codes >= 0x30) & (codes <= 0x39), nonempty_starts)
-        | _is_other_letter(codes)
+        | (unit == _OTHER_LETTER)
+        | _run_starts(unit == _LATIN, nonempty)
+        | _run_starts(unit == _DIGIT, nonempty)
     )
-    cjk_cum = np.concatenate([[0], np.cumsum(cjk_mask, dtype=np.int64)])
-    unit_cum = np.concatenate([[0], np.cumsum(units_mask, dtype=np.int64)])
-    cjk = cjk_cum[ends] - cjk_cum[starts]
-    units = unit_cum[ends] - unit_cum[starts]
+    # one cumulative sum for both counts: CJK in the low 32 bits, units in the high ones
+    packed = np.concatenate([[0], np.cumsum(cjk_mask | (units_mask.astype(np.int64) << 32))])
+    both = packed[ends] - packed[starts]
+    cjk, units = both & 0xFFFFFFFF, both >> 32
+    repaired = []
+    for i in _empty_brackets(classes, starts).tolist():
+        after = remove_empty_brackets(sentences[i])
+        if after != sentences[i]:
+            # only brackets and separators go, which are no units: the counts above still hold
+            repaired.append((sentences[i], after))
+            sentences[i] = after
+            lengths[i] = len(after)
     too_short = lengths < min_chars
     too_long = ~too_short & (lengths > max_chars)
     low_cjk = ~too_short & ~too_long & ((cjk < min_cjk_ratio * units) | (cjk == 0))
@@ -287,7 +321,7 @@ def filter_sentences(
     kept = list(itertools.compress(sentences, keep.tolist()))
     masks = {"too_short": too_short, "too_long": too_long, "low_cjk": low_cjk}
     counts = {reason: int(mask.sum()) for reason, mask in masks.items()}
-    return kept, counts, masks
+    return kept, counts, masks, repaired
 
 
 def has_control(text: str) -> bool:
@@ -340,9 +374,8 @@ class Cleaner:
 
     def clean_field(self, text: str) -> str:
         """Markup, normalisation and (optionally) script conversion of one field value."""
-        hint = _MARKUP_HINT_RE.search(text)
-        if hint is not None:
-            text = self._markup(text, hint.start())
+        if "-{" in text or "}-" in text or "<" in text or "&" in text:  # 4 substring searches: cheap
+            text = self._markup(text)
         text = normalise(text)
         if self.converter is not None:
             converted = self.converter.convert(text)
@@ -351,7 +384,7 @@ class Cleaner:
                 text = converted
         return text
 
-    def _markup(self, text: str, at: int) -> str:
+    def _markup(self, text: str) -> str:
         if "&" in text and _ENTITY_RE.search(text) is not None:
             after = html.unescape(text)
             if after != text:
@@ -367,12 +400,12 @@ class Cleaner:
             if after != text:
                 self._note("html_tags", text, after, text.find("<"))
                 text = after
-        after = remove_empty_brackets(text)
-        if after != text:
-            found = _EMPTY_BRACKETS_RE.search(text) or _BRACKET_EDGE_RE.search(text)
-            self._note("empty_brackets", text, after, found.start() if found else at)
-            text = after
         return text
+
+    def note_repaired(self, repaired: list[tuple[str, str]]) -> None:
+        for before, after in repaired:
+            found = _EMPTY_BRACKETS_RE.search(before) or _BRACKET_EDGE_RE.search(before)
+            self._note("empty_brackets", before, after, found.start() if found else 0)
 
     def paragraphs(self, text: str) -> list[str]:
         """One cleaned field value -> its paragraphs (lines), whitespace handled."""
