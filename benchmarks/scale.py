@@ -172,12 +172,12 @@ def part_preprocess(n: int, work: Path, results: Results, keep: bool) -> Path:
 
 # ------------------------------------------------------------------------------------------ stages
 def sample_shards(source: Path, out: Path, rows: int) -> int:
-    """The first ``rows`` rows of a shard set (whole blocks) as a shard set of its own."""
+    """The first ``rows`` rows of a shard set as a shard set of its own."""
     blocks, taken = [], 0
     for entry in read_manifest(source)["shards"]:
         for _, table in iter_blocks(source / entry["name"]):
-            blocks.append(table)
-            taken += table.num_rows
+            blocks.append(table.slice(0, rows - taken))
+            taken += blocks[-1].num_rows
             if taken >= rows:
                 break
         if taken >= rows:
@@ -548,11 +548,14 @@ def logged_seconds(log: Path, marker: str) -> float | None:
     return None
 
 
-def part_train(n: int, work: Path, results: Results, teacher_max: int, keep: bool) -> None:
+def part_train(n: int, work: Path, results: Results, teacher_max: int, keep: bool, reuse: bool) -> None:
     model = tiny_model(work)
     shards, run_dir = work / f"train-{label(n)}", work / f"run-{label(n)}"
     teacher = n <= teacher_max
-    seconds = training_shards(shards, n, teacher, model)
+    if reuse and (shards / "manifest.json").is_file() and read_manifest(shards)["totals"]["sentences"] == n:
+        seconds = None  # written by an earlier call with --keep: only the runs are measured again
+    else:
+        seconds = training_shards(shards, n, teacher, model)
     total, files = dir_bytes(shards)
     index_bytes = sum(e["index"]["bytes"] for e in read_manifest(shards)["shards"])
     columns = "text, variants, ids" + (", teacher 384 fp16" if teacher else "")
@@ -561,7 +564,8 @@ def part_train(n: int, work: Path, results: Results, teacher_max: int, keep: boo
     results.add(
         "train", n, "manifest bytes", (shards / "manifest.json").stat().st_size, "B", f"{files} files"
     )
-    results.add("train", n, "writing the synthetic shards (not the pipeline)", seconds, "s")
+    if seconds is not None:
+        results.add("train", n, "writing the synthetic shards (not the pipeline)", seconds, "s")
     subprocess.run(["sync"], check=False)
     subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=False, stderr=subprocess.DEVNULL)
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -641,7 +645,7 @@ def part_array(n: int, work: Path, results: Results) -> None:
 
 
 # ------------------------------------------------------------------------------------------ table
-def table(results: Results, bandwidth: float) -> None:
+def table(results: Results, bandwidth: float, rows_per_s: float) -> None:
     rows = results.read()
     if not rows:
         print("no results yet")
@@ -663,14 +667,24 @@ def table(results: Results, bandwidth: float) -> None:
         print(f"| {part} | {metric.strip()} | {unit} | {' | '.join(cells)} | {exponent} |")
     starts = metrics.get(("train", "block index bytes per row"), {})
     manifests = metrics.get(("train", "manifest bytes"), {})
+    shard_bytes = metrics.get(("train", "shard bytes per row"), {})
     if starts:
         print(
-            f"\nProjected start-up read on a network file system at {bandwidth:g} MB/s "
-            "(manifest + every block index, read once by rank 0 to check and once by each rank):"
+            f"\nProjected for a cluster whose ranks read shards from a network file system at {bandwidth:g} "
+            "MB/s (projections from the measured bytes above):"
         )
         for n in sorted(starts):
             read = starts[n]["value"] * n + manifests.get(n, {"value": 0})["value"]
-            print(f"  N={label(n):>6}: {read / 1e6:8.1f} MB -> {read / (bandwidth * 1e6):6.2f} s per read")
+            print(
+                f"  N={label(n):>6}: start-up reads the manifest + every block index, {read / 1e6:8.1f} MB: "
+                f"{read / (bandwidth * 1e6):6.2f} s per reading rank"
+            )
+        for n in sorted(shard_bytes):
+            need = shard_bytes[n]["value"] * rows_per_s / 1e6
+            print(
+                f"  N={label(n):>6}: training at {rows_per_s:,.0f} rows/s reads {need:6.1f} MB/s of shards "
+                f"({shard_bytes[n]['note']})"
+            )
 
 
 def main() -> None:
@@ -689,7 +703,15 @@ def main() -> None:
         help="largest N whose training shards carry the teacher column (disk)",
     )
     parser.add_argument("--bandwidth", type=float, default=200.0, help="NFS MB/s for the projection")
+    parser.add_argument(
+        "--rows-per-s",
+        type=float,
+        default=6560.0,
+        help="training rows/s for the read projection (default: 110M rows in a 4.66 h epoch on 8 A100s, "
+        "as benchmarks/projection.py projects it)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the shards (default: removed after use)")
+    parser.add_argument("--reuse", action="store_true", help="train: reuse shards kept by an earlier --keep")
     parser.add_argument("--table", action="store_true", help="only print the table of WORK/results.jsonl")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -707,10 +729,10 @@ def main() -> None:
                 if not args.keep:
                     shutil.rmtree(pre, ignore_errors=True)
             if "train" in parts:
-                part_train(n, args.work, results, args.teacher_max, args.keep)
+                part_train(n, args.work, results, args.teacher_max, args.keep, args.reuse)
             if "array" in parts:
                 part_array(n, args.work, results)
-    table(results, args.bandwidth)
+    table(results, args.bandwidth, args.rows_per_s)
 
 
 if __name__ == "__main__":
