@@ -169,10 +169,11 @@ def test_cjk_share_counts_words_and_numbers_not_characters():
         "12.5 13.6 14.7 15.8 单位",  # numbers are units too: a table row stays out
         "2014、2015、2016",
         "ようこそ日本へ、東京です。",
+        "7019元；",  # a fragment: one ideograph is not enough whatever the share
     ]
     kept, dropped, masks, _ = filter_sentences(sentences, min_chars=5, max_chars=256, min_cjk_ratio=0.5)
     assert kept == sentences[:2]
-    assert dropped["low_cjk"] == 4 and masks["low_cjk"].tolist() == [False, False, True, True, True, True]
+    assert dropped["low_cjk"] == 5 and masks["low_cjk"].tolist() == [False] * 2 + [True] * 5
 
 
 def test_filter_sentences_counts_each_drop_once():

@@ -22,6 +22,7 @@ import numpy as np
 
 SAMPLES_PER_RULE = 3  # examples kept per cleaning rule or drop reason (per unit, then per run)
 SAMPLE_CHARS = 80  # an example is cut to about this many characters
+MIN_CJK = 2  # a kept sentence has at least this many CJK ideographs, whatever its share
 
 
 def _char_class(codepoints: Iterable[int]) -> str:
@@ -283,7 +284,8 @@ def filter_sentences(
     Units are what a reader sees as words: each CJK ideograph, each run of Latin letters (a word:
     "Windows", "René"), each run of digits (a number), each letter of another script. Punctuation,
     symbols and spaces count for nothing, so "使用Windows 10系统" has 4 CJK of 6 units, while an
-    English sentence or a row of numbers has (nearly) none.
+    English sentence or a row of numbers has (nearly) none. A sentence also needs ``MIN_CJK``
+    ideographs at least ("7019元；" is a fragment, not a sentence).
 
     Returns the kept sentences (in order), the drop counts (too_short, too_long, low_cjk; each
     sentence counted once, under the first rule it fails), the drop masks and the repaired
@@ -316,7 +318,7 @@ def filter_sentences(
             lengths[i] = len(after)
     too_short = lengths < min_chars
     too_long = ~too_short & (lengths > max_chars)
-    low_cjk = ~too_short & ~too_long & ((cjk < min_cjk_ratio * units) | (cjk == 0))
+    low_cjk = ~too_short & ~too_long & ((cjk < min_cjk_ratio * units) | (cjk < MIN_CJK))
     keep = ~(too_short | too_long | low_cjk)
     kept = list(itertools.compress(sentences, keep.tolist()))
     masks = {"too_short": too_short, "too_long": too_long, "low_cjk": low_cjk}
