@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline.data.token_ids import TOKEN_ID_COLUMNS, ragged_rows
 from pipeline.errors import ConfigError, InputError, PipelineError
 from pipeline.shards import block_index, check_block, ipc_to_table, iter_blocks, read_manifest
-from pipeline.teacher.vectors import teacher_matrix
+from pipeline.teacher.vectors import block_teacher
 from pipeline.train.signals import ignore_preemption_signals
 
 log = logging.getLogger(__name__)
@@ -239,7 +239,7 @@ class ShardSource:
         cols = {}
         for name in self.columns:
             if name == "teacher" and name in table.column_names:  # (rows, D) float32, no Python floats
-                cols[name] = teacher_matrix(table.column(name))
+                cols[name] = block_teacher(table)  # float16, or int8 with its teacher_scale column
             elif name in TOKEN_ID_COLUMNS and name in table.column_names:  # int64 arrays, no Python ints
                 cols[name] = ragged_rows(table.column(name))
             elif name in table.column_names:

@@ -2,7 +2,8 @@
 
 A teacher is recorded in the teacher stage's ``manifest.json`` under ``"teacher"``: the name it was
 given (``--model``), its folder, a hash of its weights and tokenizer, pooling, prefix, dimension,
-max_length and the stored dtype. ``data.teacher`` in a training config names it back: the recorded
+max_length and the stored dtype (``float16`` or ``int8``; a dtype this version does not know is refused).
+``data.teacher`` in a training config names it back: the recorded
 name, the folder's name or path, or the hash (a prefix of 8 or more hex digits).
 """
 
@@ -13,9 +14,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, InputError
 from pipeline.io import sha256_file
 from pipeline.shards import read_manifest
+from pipeline.teacher.vectors import DTYPES
 
 PROVENANCE = "PROVENANCE.json"  # written by `python -m pipeline models fetch`; names its sources by sha256
 TOKENIZER_FILES = (
@@ -62,6 +64,18 @@ def matches(teacher: dict[str, Any], wanted: str) -> bool:
     return len(wanted) >= MIN_HASH_PREFIX and bool(digest) and digest.startswith(wanted.lower())
 
 
+def stored_dtype(teacher: dict[str, Any], shards: Path) -> str:
+    """The recorded ``teacher.dtype`` (``float16`` when absent: sets written before int8 existed)."""
+    dtype = str(teacher.get("dtype") or "float16")
+    if dtype not in DTYPES:
+        raise InputError(
+            f"{Path(shards) / 'manifest.json'}: teacher vectors stored as {dtype!r}, which this version "
+            f"cannot read ({' or '.join(DTYPES)}); use the version that wrote them or re-encode with "
+            "`python -m pipeline teacher`"
+        )
+    return dtype
+
+
 def describe(teacher: dict[str, Any]) -> str:
     return f"{teacher.get('name')} (hash {str(teacher.get('hash'))[:12]}, dim {teacher.get('dim')})"
 
@@ -83,6 +97,7 @@ def check_shards(shards: Path, wanted: str | None, num_hard_negatives: int = 0) 
                 f"encode them with `{rerun}` and train on NEW_DIR"
             )
         return None
+    stored_dtype(teacher, shards)
     if wanted is not None and not matches(teacher, wanted):
         raise ConfigError(
             f"data.teacher={wanted!r} but {shards} was encoded with {describe(teacher)}; set "

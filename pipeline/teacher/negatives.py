@@ -28,7 +28,7 @@ from pipeline.io import atomic_write_json
 from pipeline.search.mine import normalize_text
 from pipeline.shards import read_shard, write_shard
 from pipeline.stages import read_record, record_path, shard_index
-from pipeline.teacher.vectors import teacher_matrix
+from pipeline.teacher.vectors import block_teacher
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def load_pool(shard_dir: Path, entries: list[dict[str, Any]]) -> Pool:
                 variants.extend(block.column("variants").to_pylist())
             else:
                 variants.extend([] for _ in range(block.num_rows))
-            vectors.append(teacher_matrix(block.column("teacher")))
+            vectors.append(block_teacher(block))  # int8: dequantised and re-normalised
             row += block.num_rows
     return Pool(
         np.concatenate(ids),

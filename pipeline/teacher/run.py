@@ -1,7 +1,8 @@
 """``python -m pipeline teacher --shards IN --out OUT --model TEACHER``: cache teacher embeddings.
 
 Reads augmented shards and writes shards of the same names, rows and blocks with a ``teacher`` column
-(``fixed_size_list<float16, D>``, L2-normalised; ``shards/README.md``), optionally ``teacher_variants``
+(``fixed_size_list<float16, D>``, L2-normalised, or with ``--dtype int8`` int8 codes and a per-row
+``teacher_scale``: :mod:`pipeline.teacher.vectors`, ``shards/README.md``), optionally ``teacher_variants``
 (``--variants``) and ``hard_negatives``/``hard_negative_ids`` (``--hard_negatives K``, mined over the
 whole shard set: :mod:`pipeline.teacher.negatives`). Work is split like ``augment``: units are shards,
 local workers (``--workers``) and SLURM array tasks (``--task-index/--num-tasks``: task t takes the
@@ -14,6 +15,9 @@ then ``manifest.json`` (or ``--finalize-only`` does).
 Refreshing the negatives during a long run: rerun this stage on the same input with ``--model`` set to
 the latest checkpoint's ``model/`` folder (any checkpoint or run directory also resolves) and a new
 ``--out``; point ``data.shards`` and ``data.teacher`` of the next epoch's run at it (docs/teacher.md).
+
+Given a float16 teacher shard set as ``--shards`` with ``--dtype int8``, the stage converts it instead:
+the same shards with int8 vectors, every other column as it was, no model loaded (:func:`convert_shard`).
 """
 
 from __future__ import annotations
@@ -46,25 +50,36 @@ from pipeline.stages import (
     remove_stale_temps,
     shard_index,
 )
-from pipeline.teacher.identity import model_hash
-from pipeline.teacher.vectors import vector_column
+from pipeline.teacher.identity import matches, model_hash, stored_dtype
+from pipeline.teacher.vectors import DTYPES, block_teacher, encode_vectors, teacher_matrix, variant_columns
 
 log = logging.getLogger(__name__)
 
 WORK_DIR = ".teacher-work"  # completion records (and, with hard negatives, the encoded shards)
 ENCODED = "encoded"  # WORK_DIR/encoded/: shards with the teacher column, before mining
-STORED_DTYPE = "float16"
-# How to run, not what to compute: left out of the manifest so outputs compare equal.
+# How to run, not what to compute: left out of the manifest so outputs compare equal. ``dtype`` is
+# recorded as the manifest's ``teacher.dtype`` instead (so a float16 manifest is what it always was).
 EXECUTION_FIELDS = ("out", "workers", "task_index", "num_tasks", "finalize_only", "progress", "device")
+RECORDED_IN_TEACHER = ("dtype",)
 Precision = Literal["fp32", "fp16", "bf16"]
 
 
 @dataclass
 class Config:
-    shards: Path | None = option(None, "Input directory written by `augment` (or `preprocess`).")
+    shards: Path | None = option(
+        None,
+        "Input directory written by `augment` (or `preprocess`), or a float16 teacher output to convert.",
+    )
     out: Path | None = option(None, "Output directory for the shards with teacher embeddings.")
     model: str | None = option(
-        None, "Teacher: a model folder (models/e5-small), checkpoint, run directory or Hub id."
+        None,
+        "Teacher: a model folder (models/e5-small), checkpoint, run directory or Hub id (empty when "
+        "--shards is a teacher output to convert to --dtype int8).",
+    )
+    dtype: Literal["float16", "int8"] = option(
+        "float16",
+        "Stored vectors: float16 (2 bytes a value), or int8 codes with a float32 scale per row (1 byte a "
+        "value + 4 a row; read back re-normalised). With teacher shards as --shards: convert them to int8.",
     )
     batch_size: int = option(128, "Sentences per forward pass (sorted by length within a shard).")
     max_length: int | None = option(None, "Token limit per sentence (empty = the model's encoder.json).")
@@ -91,8 +106,10 @@ class Config:
     progress: bool = option(True, "Show a progress bar (sentences/s).")
 
     def __post_init__(self) -> None:
-        if self.shards is None or self.out is None or not self.model:
+        if self.shards is None or self.out is None:
             raise ConfigError("usage: python -m pipeline teacher --shards IN --out OUT --model TEACHER")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
         if self.batch_size < 1 or self.workers < 1:
             raise ConfigError("--batch-size and --workers must be >= 1")
         if self.max_length is not None and self.max_length < 4:
@@ -156,7 +173,7 @@ def teacher_record(cfg: Config, encoder: Any, precision: Precision) -> dict[str,
         "prefix": encoder.prefix,
         "dim": encoder.dim,
         "max_length": encoder.max_length,
-        "dtype": STORED_DTYPE,
+        "dtype": cfg.dtype,
         "compute_precision": precision,
     }
 
@@ -164,11 +181,11 @@ def teacher_record(cfg: Config, encoder: Any, precision: Precision) -> dict[str,
 def encode_texts(
     encoder: Any, texts: list[str], batch_size: int, precision: Precision, report: Any = None
 ) -> np.ndarray:
-    """(N, D) float16, L2-normalised: batches of length-sorted texts, put back in input order."""
+    """(N, D) float32, L2-normalised: batches of length-sorted texts, put back in input order."""
     import torch
     import torch.nn.functional as F
 
-    out = np.zeros((len(texts), encoder.dim), dtype=np.float16)
+    out = np.zeros((len(texts), encoder.dim), dtype=np.float32)  # cast to the stored dtype when written
     order = np.argsort([-len(t) for t in texts], kind="stable")  # as SentenceEncoder.encode: little padding
     device = next(encoder.parameters()).device
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
@@ -177,7 +194,7 @@ def encode_texts(
             idx = order[start : start + batch_size]
             batch = {k: v.to(device) for k, v in encoder.tokenize([texts[i] for i in idx]).items()}
             emb = F.normalize(encoder(**batch).float(), dim=-1)  # (b, D); renormalised after fp16/bf16
-            out[idx] = emb.cpu().numpy().astype(np.float16)
+            out[idx] = emb.cpu().numpy()
             if report is not None:
                 report(len(idx))
     return out
@@ -223,21 +240,64 @@ def encode_shard(job: ShardJob, encoder: Any, cfg: Config, precision: Precision,
         row = 0
         for block in blocks:
             lo, hi = row, row + block.num_rows
-            block = block.append_column(
-                pa.field("teacher", pa.list_(pa.float16(), vectors.shape[1]), nullable=False),
-                vector_column(vectors[lo:hi]),
-            )
+            column, scale = encode_vectors(vectors[lo:hi], cfg.dtype)
+            block = append(block, "teacher", column)
+            if scale is not None:
+                block = append(block, "teacher_scale", scale)
             if cfg.variants:
                 o = offsets[lo : hi + 1]
-                values = vector_column(variant_vectors[o[0] : o[-1]])
-                column = pa.ListArray.from_arrays(pa.array(o - o[0], pa.int32()), values)
-                block = block.append_column(pa.field("teacher_variants", column.type, nullable=False), column)
+                for name, column in variant_columns(variant_vectors[o[0] : o[-1]], o - o[0], cfg.dtype):
+                    block = append(block, name, column)
             row = hi
             yield block
 
     entry = write_shard(job.out_dir / job.entry["name"], out_blocks(), job.shard_index)
     record = {"entry": entry, "counts": counts}
     atomic_write_json(record_path(job.record_dir, job.entry["name"]), record)  # after the shard: it is done
+    return record
+
+
+def append(block: pa.Table, name: str, column: pa.Array) -> pa.Table:
+    return block.append_column(pa.field(name, column.type, nullable=False), column)
+
+
+def convert_shard(job: ShardJob, cfg: Config) -> dict:
+    """One float16 teacher shard -> the same shard with int8 vectors and their scales; no model.
+
+    The codes are those of the stored float16 values, so they may differ by one step from a direct
+    ``--dtype int8`` encoding (cosine to the float16 vectors is what the tests bound). Every other
+    column, the rows and the blocks stay as they were.
+    """
+    in_path = verify_shard(job.in_dir, job.entry)
+    remove_stale_temps(job.out_dir, job.entry["name"])
+    counts = {"sentences": 0, "variants_encoded": 0}
+
+    def out_blocks():
+        for block in read_shard(in_path):
+            if "teacher" not in block.column_names or "teacher_scale" in block.column_names:
+                raise InputError(f"shard {in_path} has no float16 teacher column to convert")
+            names = block.column_names
+            column, scale = encode_vectors(block_teacher(block), cfg.dtype)
+            at = names.index("teacher")
+            block = block.set_column(at, pa.field("teacher", column.type, nullable=False), column)
+            block = block.add_column(at + 1, pa.field("teacher_scale", scale.type, nullable=False), scale)
+            counts["sentences"] += block.num_rows
+            if "teacher_variants" in names:
+                nested = block.column("teacher_variants").combine_chunks()
+                offsets = nested.offsets.to_numpy()
+                flat = teacher_matrix(nested.flatten())  # (variants, D) float32
+                (_, values), (name, scales) = variant_columns(flat, offsets - offsets[0], cfg.dtype)
+                at = block.column_names.index("teacher_variants")
+                block = block.set_column(
+                    at, pa.field("teacher_variants", values.type, nullable=False), values
+                )
+                block = block.add_column(at + 1, pa.field(name, scales.type, nullable=False), scales)
+                counts["variants_encoded"] += len(flat)
+            yield block
+
+    entry = write_shard(job.out_dir / job.entry["name"], out_blocks(), job.shard_index)
+    record = {"entry": entry, "counts": counts}
+    atomic_write_json(record_path(job.record_dir, job.entry["name"]), record)
     return record
 
 
@@ -282,8 +342,9 @@ def layout(cfg: Config) -> tuple[Path, Path]:
 
 
 def run_fingerprint(cfg: Config, in_manifest_sha: str, teacher: dict[str, Any]) -> dict[str, Any]:
-    """What the output depends on: config, input manifest, the teacher (weights hash, precision)."""
-    config = {k: v for k, v in to_dict(cfg).items() if k not in EXECUTION_FIELDS}
+    """What the output depends on: config, input manifest, the teacher (weights hash, precision, dtype)."""
+    left_out = EXECUTION_FIELDS + RECORDED_IN_TEACHER
+    config = {k: v for k, v in to_dict(cfg).items() if k not in left_out}
     return {"config": config, "input_manifest_sha256": in_manifest_sha, "teacher": teacher}
 
 
@@ -300,7 +361,12 @@ def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, An
             counts[key] += r["counts"][key]
     extra: dict[str, Any] = {}
     entries = [r["entry"] for r in records]
-    if cfg.hard_negatives:
+    if in_manifest.get("stage") == "teacher":  # a conversion: the input's negatives, as they were
+        extra["input_stage"] = "teacher"
+        if "hard_negatives" in in_manifest:
+            extra["hard_negatives"] = in_manifest["hard_negatives"]
+            counts["hard_negatives"] = in_manifest["counts"]["hard_negatives"]
+    elif cfg.hard_negatives:
         from pipeline.teacher.negatives import MineParams, mine_shards
 
         params = MineParams(
@@ -325,21 +391,47 @@ def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, An
     return True
 
 
+def conversion_record(cfg: Config, in_manifest: dict[str, Any]) -> dict[str, Any]:
+    """The input teacher set's record with the new dtype; refuses what a conversion cannot do."""
+    teacher = in_manifest.get("teacher") or {}
+    where = cfg.shards / MANIFEST
+    have = stored_dtype(teacher, cfg.shards)
+    if have != "float16" or cfg.dtype != "int8":
+        raise ConfigError(
+            f"{where} holds {have} teacher vectors; a teacher set as --shards converts float16 to "
+            f"--dtype int8 only (to encode in {cfg.dtype}, give the augment output as --shards)"
+        )
+    if cfg.variants or cfg.hard_negatives:
+        raise ConfigError(
+            f"--variants/--hard-negatives: converting {cfg.shards} keeps its columns as they are; "
+            "to add them, run the stage on the augment output"
+        )
+    if cfg.model and not matches(teacher, cfg.model):
+        raise ConfigError(
+            f"--model {cfg.model} is not the teacher of {where} ({teacher.get('name')}); omit --model"
+        )
+    return {**teacher, "dtype": cfg.dtype}
+
+
 def run(cfg: Config) -> int:
     in_manifest = read_manifest(cfg.shards)
-    if in_manifest.get("stage") not in ("augment", "preprocess"):
+    stage = in_manifest.get("stage")
+    if stage not in ("augment", "preprocess", "teacher"):
         raise InputError(
-            f"{cfg.shards / MANIFEST} was written by stage {in_manifest.get('stage')!r}; the teacher "
-            "stage reads the output of `augment` (or `preprocess`)"
+            f"{cfg.shards / MANIFEST} was written by stage {stage!r}; the teacher stage reads the output "
+            "of `augment` (or `preprocess`), or converts a `teacher` output to --dtype int8"
         )
+    if stage != "teacher" and not cfg.model:
+        raise ConfigError("usage: python -m pipeline teacher --shards IN --out OUT --model TEACHER")
     if cfg.out.resolve() == cfg.shards.resolve():
         raise ConfigError("out must differ from shards: the teacher stage never writes over its input")
     device = resolve_device(cfg.device)
-    encoder = load_teacher(cfg, device)
+    encoder = None if stage == "teacher" else load_teacher(cfg, device)
     precision = precision_for(device, cfg.bf16)
-    fingerprint = run_fingerprint(
-        cfg, sha256_file(cfg.shards / MANIFEST), teacher_record(cfg, encoder, precision)
+    record = (
+        conversion_record(cfg, in_manifest) if stage == "teacher" else teacher_record(cfg, encoder, precision)
     )
+    fingerprint = run_fingerprint(cfg, sha256_file(cfg.shards / MANIFEST), record)
     if already_done(cfg.out, fingerprint, "config, input or teacher"):
         return 0
     claim_out_dir(cfg.out, WORK_DIR, fingerprint, "teacher", "config, input or teacher")
@@ -355,7 +447,10 @@ def run(cfg: Config) -> int:
             if read_record(record_dir, shard_dir, entries[i]["name"]) is None
         ]
         log.info("task %d/%d: %d shard(s), %d to do", cfg.task_index, cfg.num_tasks, len(mine), len(jobs))
-        if jobs:
+        if jobs and stage == "teacher":
+            for job in jobs:  # no model: reading, quantising and writing, one shard at a time
+                convert_shard(job, cfg)
+        elif jobs:
             if cfg.workers > 1 and len(jobs) > 1:
                 encoder = None  # the workers load their own
             _process(cfg, jobs, device, encoder)
