@@ -51,6 +51,7 @@ class Condition:
     config: Path = DEFAULT_CONFIG  # the base config the overrides apply to
     views: int = 0  # sequences encoded per sentence (0 = no training)
     momentum_forward: bool = False  # an extra key-encoder forward of view 0
+    int8_teacher: bool = False  # train on the int8 copy of --shards (int8_shards) instead of --shards
     notes: dict[str, Any] = field(default_factory=dict)
 
 
@@ -140,11 +141,29 @@ def student_conditions() -> dict[str, Condition]:
                 "--objective.contrastive_weight=1", "--data.num_hard_negatives=4"),  # fmt: skip
         student("s_scratch_distill", "distillation into the student's architecture, random init", 1,
                 "--model.random_init=true"),  # fmt: skip
+        # issue 25: the main job's row on the same teacher vectors stored as int8 + a per-row scale
+        Condition("s_distill_int8", "embedding distillation, teacher vectors stored int8 (main job)",
+                  views=1, config=STUDENT_CONFIG, int8_teacher=True),  # fmt: skip
     ]
     return {c.name: c for c in rows}
 
 
 # ------------------------------------------------------------------------------------------- runs
+def int8_shards(args: argparse.Namespace) -> Path:
+    """Where the int8 copy of --shards is: --int8-shards, else SHARDS-int8 beside --shards."""
+    given = getattr(args, "int8_shards", None)
+    return given or args.shards.parent / f"{args.shards.name}-int8"
+
+
+def ensure_int8_shards(args: argparse.Namespace) -> None:
+    """Convert --shards (float16 teacher vectors) to int8 once, without the teacher model (seconds)."""
+    target = int8_shards(args)
+    if not (target / "manifest.json").is_file():
+        command = [sys.executable, "-m", "pipeline", "teacher", f"--shards={args.shards}", f"--out={target}",
+                   "--dtype=int8", "--progress=false"]  # fmt: skip
+        subprocess.run(command, check=True, cwd=ROOT, env=quiet_env())
+
+
 def run_dir(args: argparse.Namespace, cond: Condition, seed: int) -> Path:
     return args.out / f"{cond.name}_seed{seed}"
 
@@ -179,7 +198,7 @@ def train_command(
         str(ROOT / "launch" / "pretrain.py"),
         "--config",
         str(cond.config),
-        f"--data.shards={args.shards}",
+        f"--data.shards={int8_shards(args) if cond.int8_teacher else args.shards}",
         *([f"--model.name_or_path={args.student}"] if cond.config == STUDENT_CONFIG else []),
         f"--run_dir={out}",
         "--resume=never",
@@ -501,6 +520,11 @@ def main() -> None:
     p.add_argument("--student", type=Path, default=Path("runs/sample/student"), help="student folder")
     p.add_argument("--teacher", type=Path, default=Path("models/e5-small"), help="teacher folder")
     p.add_argument(
+        "--int8-shards", type=Path, default=None,
+        help="s_distill_int8's shards: --shards with int8 teacher vectors (default SHARDS-int8 beside "
+        "--shards, converted from --shards by `pipeline teacher --dtype int8` when missing)",
+    )  # fmt: skip
+    p.add_argument(
         "--set", nargs="*", default=[], metavar="KEY=VALUE",
         help="config overrides for every training run, before each row's own (e.g. optim.fused=false)",
     )  # fmt: skip
@@ -525,6 +549,9 @@ def main() -> None:
     unknown = [n for n in names if n not in conditions]
     if unknown:
         raise SystemExit(f"unknown condition(s) {unknown}; --list shows them")
+    if any(conditions[n].int8_teacher for n in names):
+        args.int8_shards = args.int8_shards.resolve() if args.int8_shards else None
+        ensure_int8_shards(args)
 
     # seed-major: partial grids compare; rows without training are scored once
     cells = [

@@ -205,3 +205,24 @@ def test_the_readme_snippet_reads_int8_vectors(sets, monkeypatch):
     exec(snippet, scope)
     last = list(read_shard(sets["int8"] / "shard-000000.tar"))[-1]  # the snippet's loop ends on it
     np.testing.assert_allclose(scope["vectors"], block_teacher(last), atol=1e-7)
+
+
+def test_the_study_row_trains_on_the_int8_copy_at_equal_compute(sets, tmp_path):
+    """benchmarks/quality.py's s_distill_int8: the main job's row on the converted set, nothing else."""
+    import argparse
+
+    from _scripts import benchmark_module
+
+    with benchmark_module("quality") as quality:
+        args = argparse.Namespace(
+            shards=sets["fp16"], sequences=64, eval_every=25, select_best=True, student=tmp_path / "student"
+        )
+        rows = quality.student_conditions()
+        plain = quality.train_command(args, rows["s_distill"], 1, tmp_path / "a", 100)
+        int8 = quality.train_command(args, rows["s_distill_int8"], 1, tmp_path / "b", 100)
+        assert f"--data.shards={sets['fp16']}" in plain
+        assert f"--data.shards={sets['fp16'].parent / 'fp16-int8'}" in int8
+        differ = {a for a in plain if a not in int8} | {b for b in int8 if b not in plain}
+        assert {d.split("=")[0] for d in differ} == {"--data.shards", "--run_dir"}
+        quality.ensure_int8_shards(args)  # converts --shards once, without the model
+        assert read_manifest(sets["fp16"].parent / "fp16-int8")["teacher"]["dtype"] == "int8"
