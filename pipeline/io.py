@@ -38,6 +38,7 @@ __all__ = [
     "file_problem",
     "fsync_dir",
     "fsync_file",
+    "format_size",
     "fsync_tree",
     "is_disk_full",
     "read_json",
@@ -69,15 +70,18 @@ def disk_full_error(exc: BaseException, directory: str | Path | None) -> DiskFul
     """One line for an ENOSPC raised outside :func:`atomic_write` (a work file a stage streams into),
     naming the output directory and its free space (the size of such a file is not known in advance)."""
     where = Path(directory) if directory is not None else None
-    free = f", {_mib(shutil.disk_usage(where).free)} free" if where is not None and where.exists() else ""
+    free = (
+        f", {format_size(shutil.disk_usage(where).free)} free" if where is not None and where.exists() else ""
+    )
     return DiskFullError(
         f"disk full in {where or 'the output directory'}{free} ({exc}): free space there (work files and "
         "shards need about the size of the input again) and rerun the same command: finished work is kept"
     )
 
 
-def _mib(size: int) -> str:
-    return f"{size / 2**20:.1f} MiB"
+def format_size(size: int) -> str:
+    """Bytes for a message: KiB below a MiB (so that a small shard is not "0.0 MiB"), else MiB."""
+    return f"{size / 1024:.0f} KiB" if size < 1 << 20 else f"{size / 2**20:.1f} MiB"
 
 
 def check_free_space(directory: str | Path, needed: int, what: str) -> None:
@@ -88,8 +92,9 @@ def check_free_space(directory: str | Path, needed: int, what: str) -> None:
     free = shutil.disk_usage(directory).free
     if needed > free:
         raise DiskFullError(
-            f"not enough disk space in {directory} for {what}: {_mib(free)} free, about {_mib(needed)} "
-            "needed (the size of the last one written); free space there (or write elsewhere) and rerun"
+            f"not enough disk space in {directory} for {what}: {format_size(free)} free, about "
+            f"{format_size(needed)} needed (the size of the last one written); free space there (or write "
+            "elsewhere) and rerun"
         )
 
 
@@ -165,9 +170,9 @@ def atomic_write(path: str | Path, write: Callable[[Path], None], durable: bool 
             raise
         partial = tmp.stat().st_size if tmp.exists() else 0
         raise DiskFullError(
-            f"disk full in {path.parent} while writing {path.name} ({_mib(partial)} written, the partial "
-            f"file removed; about {_mib(max(expected, partial))} needed): free space there (or write "
-            "elsewhere) and rerun"
+            f"disk full in {path.parent} while writing {path.name} ({format_size(partial)} written, the "
+            f"partial file removed; about {format_size(max(expected, partial))} needed): free space there "
+            "(or write elsewhere) and rerun"
         ) from None
     finally:
         tmp.unlink(missing_ok=True)

@@ -76,7 +76,10 @@ def test_a_write_is_refused_before_it_starts_when_the_last_one_would_not_fit(sma
 
     from pipeline.io import atomic_write
 
-    with pytest.raises(DiskFullError, match=rf"not enough disk space in {out} for shard-00001.tar.*0.3 MiB"):
+    with pytest.raises(
+        DiskFullError,
+        match=rf"not enough disk space in {out} for shard-00001.tar: .* free, about 293 KiB needed",
+    ):
         atomic_write(out / "shard-00001.tar", write)
     assert written == []  # refused before anything was written
     atomic_write_bytes(out / "manifest.json", b"{}")  # another kind of file (its own size) still goes
@@ -186,7 +189,7 @@ def test_training_stops_with_one_line_and_resumes_exactly_once_space_is_freed(
         x[x.index("error:") :] for x in capsys.readouterr().err.splitlines() if "error:" in x
     ]  # after tqdm's \r
     assert len(errors) == 1 and str(run_dir / "checkpoints") in errors[0] and "step-00000004" in errors[0]
-    assert "MiB needed" in errors[0]
+    assert " needed" in errors[0]
     ckpt = Checkpointer(run_dir)
     assert [p.name for p in ckpt.checkpoints()] == ["step-00000002"] and not list(ckpt.dir.glob(".tmp-*"))
     verify_checkpoint(ckpt.latest())

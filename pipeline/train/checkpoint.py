@@ -44,6 +44,7 @@ from pipeline.io import (
     atomic_write_bytes,
     check_free_space,
     file_problem,
+    format_size,
     fsync_dir,
     fsync_file,
     fsync_tree,
@@ -387,7 +388,7 @@ class Checkpointer:
         newest = self._find_latest(verify=False)
         return (
             f"disk full in {self.dir} while writing checkpoint {name} (about "
-            f"{self.newest_size() / 2**20:.1f} MiB needed, the size of {newest.name if newest else 'none'}; "
+            f"{format_size(self.newest_size())} needed, the size of {newest.name if newest else 'none'}; "
             f"{error}). The partial checkpoint was removed and the previous ones are intact: free space "
             "and rerun the same command to resume"
         )
