@@ -493,7 +493,7 @@ def near_dup_bucket(
     order = np.argsort(parts, kind="stable")  # drop is sorted by key: stays sorted inside a partition
     drop, match, parts = drop[order], match[order], parts[order]
     starts = np.flatnonzero(np.r_[True, parts[1:] != parts[:-1]]) if len(parts) else np.zeros(0, np.int64)
-    ends = np.r_[starts[1:], len(parts)]
+    ends = np.r_[starts[1:], len(parts)] if len(parts) else np.zeros(0, np.int64)
     batches: dict[str, list[int]] = {}
 
     def write(tmp: Path) -> None:
