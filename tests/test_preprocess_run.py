@@ -406,3 +406,13 @@ def test_near_duplicates_removed_counted_and_independent_of_the_work_layout(tmp_
     # off by default: every sentence and repost is kept
     run(cfg_for([tmp_path / "in"], tmp_path / "off", sentences_per_shard=7, rows_per_block=3))
     assert {r["text"] for r in read_rows(tmp_path / "off")} == set(sentences) | {r for _, r in pairs}
+
+
+def test_near_duplicates_with_nothing_kept_and_bad_truncated_fields(tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text("短句。\n很短。\n", encoding="utf-8")
+    run(cfg_for([path], tmp_path / "out", near_duplicates=True))  # every bucket empty
+    counts = check_counts(read_manifest(tmp_path / "out"))
+    assert counts["kept"] == 0 and counts["dropped"]["too_short"] == 2
+    with pytest.raises(ConfigError, match=r"truncated_fields: 'content' is not collection.field"):
+        build_config(Config, ["x.txt", "--truncated_fields=[content]"], "inputs")
