@@ -8,6 +8,11 @@ pass 2, ``dedup``   one partition, read from every unit -> sorted by (shuffle ke
 pass 3, ``shards``  one output shard = one range of the global order (partitions concatenated in
                     key order) -> ``OUT/shard-NNNNNN.tar`` + ``shards/shard-NNNNNN.json`` (its entry).
 
+With near-duplicate removal on (``neardup.py``), pass 1 also writes ``split/unit-NNNNNN.bands.arrow``
+(each kept sentence's (band hash, key) pairs, routed into buckets by band hash), pass 2 has one more
+piece per bucket (``dedup/bucket-NNNNNN.arrow`` + ``.json``: the dropped keys by key partition), and
+pass 3 leaves the dropped rows out.
+
 Every output is written to a temporary name and renamed; the ``.json`` goes last and records the
 size of its data file, so a rerun skips a piece only when its ``.json`` parses and the size matches.
 Work files are not fsynced (a killed process loses nothing the kernel already has); after a machine

@@ -3,7 +3,7 @@
 Phases (``--phase all`` runs them in order; see docs/preprocess.md for SLURM arrays):
 
   split     pass 1 over input units   (parallel: --workers processes, --task-index/--num-tasks)
-  dedup     pass 2 over partitions    (same)
+  dedup     pass 2 over partitions, and over band-hash buckets with --near_duplicates (same)
   shards    pass 3 over output shards (same)
   finalize  manifest.json, then the work directory is removed (one process)
 
