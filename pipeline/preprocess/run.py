@@ -435,7 +435,7 @@ def _finalize(cfg: Config, plan: Plan, elapsed: float) -> None:
     atomic_write_json(cfg.out / MANIFEST, manifest)
     # The manifest is down: the intermediate files and any temporary file of a killed writer can go.
     shutil.rmtree(cfg.work, ignore_errors=True)
-    for stale in cfg.out.glob(".shard-*.tar.tmp-*"):
+    for stale in cfg.out.glob(".shard-*.tmp-*"):  # a shard or the files write_shard puts beside it
         stale.unlink(missing_ok=True)
     dropped = ", ".join(f"{k} {v:,}" for k, v in counts["dropped"].items() if v) or "none"
     if counts["kept"] == 0:
