@@ -45,6 +45,7 @@ import tempfile
 import textwrap
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -337,11 +338,13 @@ TRAIN_STEPS = 24  # checkpoints every 2 steps; a step of the debug model takes a
 
 def training_shards(work: Path) -> Path:
     """Tiny augmented shards made by the real stages from 600 corpus lines (2 variants, as debug.yaml)."""
+    out = work / "train-aug"
+    if (out / MANIFEST).is_file():  # made by an earlier row
+        return out
     corpus = work / "train-corpus.txt"
     lines = SAMPLE_CORPUS.read_text(encoding="utf-8").splitlines()[:600]
     corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
     subprocess.run(preprocess_cmd([corpus], work / "train-pp"), check=True, capture_output=True)
-    out = work / "train-aug"
     subprocess.run(augment_cmd(work / "train-pp", out, "--num_variants=2"), check=True, capture_output=True)
     return out
 
@@ -352,13 +355,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_cmd(shards: Path, run_dir: Path) -> list[str]:
+def launch_cmd(shards: Path, run_dir: Path, script: Path = REPO / "launch" / "pretrain.py") -> list[str]:
     """``accelerate launch`` of two CPU processes over gloo (launch/accelerate/cpu2.yaml) on debug.yaml."""
     return [
         str(Path(sys.executable).parent / "accelerate"), "launch",
         "--config_file", str(REPO / "launch" / "accelerate" / "cpu2.yaml"),
         "--main_process_port", str(free_port()),
-        str(REPO / "launch" / "pretrain.py"), "--config", str(REPO / "launch" / "configs" / "debug.yaml"),
+        str(script), "--config", str(REPO / "launch" / "configs" / "debug.yaml"),
         f"--data.shards={shards}", f"--run_dir={run_dir}", f"--train.max_steps={TRAIN_STEPS}",
         "--checkpoint.every_steps=2", "--objective.momentum=0.9", "--train.debug_dump",
     ]  # fmt: skip
@@ -422,59 +425,539 @@ def same_training(got: dict, ref: dict) -> bool:
     return len(ref["ranks"]) == 2 and got["ranks"] == ref["ranks"] and losses_ok and model_ok
 
 
+def reference_training(work: Path, shards: Path) -> dict:
+    """The uninterrupted 2-process run every training row compares with (run once per work dir)."""
+    ref_dir = work / "train-clean"
+    if not (ref_dir / "model").exists():
+        shutil.rmtree(ref_dir, ignore_errors=True)
+        started = time.perf_counter()
+        subprocess.run(launch_cmd(shards, ref_dir), check=True, capture_output=True, env=train_env())
+        print(f"      uninterrupted 2-process run: {time.perf_counter() - started:.0f} s")
+    return final_state(ref_dir)
+
+
+def killed_run(
+    run_dir: Path, shards: Path, targets: list[int], rng: random.Random
+) -> tuple[bool, int, int, bool]:
+    """Launch, kill -9 after each target step (every rank and the launcher), relaunch; the last launch runs
+    to the end. Returns (every kill landed before the end, relaunches that resumed from the newest
+    complete checkpoint, relaunches that had none and started afresh, the run finished)."""
+    reached, expected, resumed_right, fresh, landed = 0, None, 0, 0, True
+    for k, target in enumerate([*targets, None]):  # target None: the last launch runs to the end
+        log_file = run_dir.parent / f"{run_dir.name}.launch{k}.log"
+        with open(log_file, "w") as log_out:
+            child = subprocess.Popen(
+                launch_cmd(shards, run_dir), start_new_session=True, env=train_env(),
+                stdout=log_out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            try:
+                deadline = time.monotonic() + 300
+                kill_after = TRAIN_STEPS + 1 if target is None else max(target, reached + 1)
+                while child.poll() is None and time.monotonic() < deadline:
+                    if max(logged_steps(run_dir), default=0) >= kill_after:
+                        break
+                    time.sleep(0.05)
+                if target is not None:
+                    time.sleep(rng.uniform(0.0, 0.3))  # anywhere in a step, a checkpoint write included
+                alive = child.poll() is None
+            finally:
+                if target is not None or alive:
+                    kill_everything(child)
+        if k > 0:  # a relaunch must resume from the newest complete checkpoint (or start afresh if none)
+            got = re.search(r"resumed from \S*step-(\d+)", log_file.read_text())
+            resumed_right += (int(got.group(1)) if got else None) == expected
+            fresh += expected is None
+        if target is None:
+            return landed, resumed_right, fresh, not alive and child.returncode == 0
+        reached = max(logged_steps(run_dir), default=0)
+        if not alive or (run_dir / "model").exists():  # the run had finished: this kill missed
+            return False, resumed_right, fresh, False
+        latest = Checkpointer(run_dir).latest()
+        expected = int(latest.name.split("-")[1]) if latest is not None else None
+        print(f"      {run_dir.name}: kill {k + 1} after step {reached} (aimed at {target}), newest "
+              f"complete checkpoint: {expected}")  # fmt: skip
+    raise AssertionError("unreachable")
+
+
 def training_kills(work: Path, runs: int, kills: int, rng: random.Random) -> None:
     shards = training_shards(work)
-    ref_dir = work / "train-clean"
-    started = time.perf_counter()
-    subprocess.run(launch_cmd(shards, ref_dir), check=True, capture_output=True, env=train_env())
-    print(f"      uninterrupted 2-process run: {time.perf_counter() - started:.0f} s")
-    ref = final_state(ref_dir)
-    same, landed, resumed_right, fresh = 0, 0, 0, 0
+    ref = reference_training(work, shards)
+    same, resumed_right, fresh, redone, all_landed = 0, 0, 0, 0, 0
     for run in range(runs):
-        run_dir = work / f"train-killed-{run}"
-        targets: list[int | None] = [*sorted(rng.sample(range(1, TRAIN_STEPS - 1), kills)), None]
-        reached, expected, finished = 0, None, False
-        for k, target in enumerate(targets):  # target None: the last launch runs to the end
-            log_file = run_dir.parent / f"{run_dir.name}.launch{k}.log"
-            with open(log_file, "w") as log_out:
-                child = subprocess.Popen(
-                    launch_cmd(shards, run_dir), start_new_session=True, env=train_env(),
-                    stdout=log_out, stderr=subprocess.STDOUT,
-                )  # fmt: skip
-                try:
-                    deadline = time.monotonic() + 300
-                    kill_after = TRAIN_STEPS + 1 if target is None else max(target, reached + 1)
-                    while child.poll() is None and time.monotonic() < deadline:
-                        if max(logged_steps(run_dir), default=0) >= kill_after:
-                            break
-                        time.sleep(0.05)
-                    if target is not None:
-                        time.sleep(rng.uniform(0.0, 0.3))  # anywhere in a step, a checkpoint write included
-                    alive = child.poll() is None
-                finally:
-                    if target is not None or alive:
-                        kill_everything(child)
-            if k > 0:  # a relaunch must resume from the newest complete checkpoint (or start afresh if none)
-                got = re.search(r"resumed from \S*step-(\d+)", log_file.read_text())
-                resumed_right += (int(got.group(1)) if got else None) == expected
-                fresh += expected is None
-            if target is None:
-                finished = not alive and child.returncode == 0
+        # Kills land 1-5 steps after their aim on this loaded machine: aim them in the first two thirds of
+        # the run, and redo a run (from scratch, earlier aims) whose kill missed because it had finished.
+        horizon = TRAIN_STEPS * 2 // 3
+        for attempt in range(4):
+            run_dir = work / f"train-killed-{run}"
+            shutil.rmtree(run_dir, ignore_errors=True)
+            targets = sorted(rng.sample(range(1, horizon), kills))
+            landed, right, none_yet, finished = killed_run(run_dir, shards, targets, rng)
+            if landed:
                 break
-            reached = max(logged_steps(run_dir), default=0)
-            landed += alive and not (run_dir / "model").exists()
-            latest = Checkpointer(run_dir).latest()
-            expected = int(latest.name.split("-")[1]) if latest is not None else None
-            print(f"      training run {run}: kill {k + 1} after step {reached} (aimed at {target}), newest "
-                  f"complete checkpoint: {expected}")  # fmt: skip
-        same += finished and same_training(final_state(run_dir), ref)
+            print(f"      {run_dir.name}: a kill landed after the run had finished; redoing the run")
+            redone, horizon = redone + 1, max(kills + 1, horizon // 2)
+        resumed_right, fresh, all_landed = resumed_right + right, fresh + none_yet, all_landed + landed
+        same += landed and finished and same_training(final_state(run_dir), ref)
     row(
         "kill -9 of a 2-process accelerate launch (process group and ranks), auto-resume",
-        f"{runs} runs x {kills} kills ({landed} landed mid-run), {resumed_right}/{runs * kills} relaunches "
-        f"resumed from the newest complete checkpoint ({fresh} had none yet and started afresh), "
-        f"{same}/{runs} with parameters, model file, queue, cursor and every logged loss bit-identical to an "
-        "uninterrupted run",
-        same == runs and landed == runs * kills and resumed_right == runs * kills,
+        f"{runs} runs x {kills} kills ({all_landed}/{runs} runs with every kill mid-run; {redone} redone "
+        f"because a kill landed after the end), {resumed_right}/{runs * kills} relaunches resumed from the "
+        f"newest complete checkpoint ({fresh} had none yet and started afresh), {same}/{runs} with "
+        "parameters, model file, queue, cursor and every logged loss bit-identical to an uninterrupted run",
+        same == runs and all_landed == runs and resumed_right == runs * kills,
+    )
+
+
+# ----------------------------------------------------------------------------------- non-finite steps
+# A training process whose online encoder's embeddings are NaN at the given (epoch, batch) positions, whose
+# guard verdict is forced to "skip" at others (the reference for a skipped batch: the same forward and
+# backward, nothing applied), and whose loss is x10 at the "spike" ones. Arguments: a JSON spec
+# {"argv": [...], "poison": [...], "skip": [...], "spike": [...]}. It prints the positions trained on.
+DRIVER = textwrap.dedent(
+    """
+    import json, math, sys
+
+    spec = json.loads(sys.argv[1])
+    sys.path.insert(0, spec["launch"])
+    from pretrain import main
+    from pipeline.train import guard, loop
+
+    poison, skip, seen, hooked = {tuple(p) for p in spec["poison"]}, {tuple(p) for p in spec["skip"]}, [], []
+    spiked = {tuple(p) for p in spec.get("spike", [])}
+    objective = loop.compute_objective
+
+    def compute_objective(t, rows, batch):  # the loss (and its gradient, before clipping) x10 there
+        parts = objective(t, rows, batch)
+        return {**parts, "loss": parts["loss"] * 10} if seen[-1] in spiked else parts
+
+    loop.compute_objective = compute_objective
+
+    def on_batch(t, batch):
+        if not hooked:
+            hooked.append(t.module.encoder.backbone.embeddings.register_forward_hook(
+                lambda _m, _i, out: out * math.nan if seen[-1] in poison else None))
+        seen.append((batch["epoch"], batch["batch"]))
+
+    real = loop.step_verdict
+    loop.step_verdict = lambda loss, norm: (
+        guard.StepCheck(False, 0.0) if seen[-1] in skip else real(loss, norm))
+    code = main(spec["argv"], on_batch)
+    print("trained on:", json.dumps(seen))
+    sys.exit(code)
+    """
+)
+GUARD_STEPS = 12
+
+
+def guard_run(
+    shards: Path, run_dir: Path, poison=(), skip=(), *extra: str, spike=()
+) -> subprocess.CompletedProcess:
+    argv = [
+        "--config", str(REPO / "launch" / "configs" / "debug.yaml"), f"--data.shards={shards}",
+        f"--run_dir={run_dir}", f"--train.max_steps={GUARD_STEPS}", "--objective.momentum=0.9",
+        "--train.debug_dump=true", "--train.eval_max_pairs=32", *extra,
+    ]  # fmt: skip
+    spec = {"argv": argv, "poison": list(poison), "skip": list(skip), "spike": list(spike)}
+    spec["launch"] = str(REPO / "launch")
+    return subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(spec)], capture_output=True, text=True, env=train_env(),
+        timeout=600,
+    )  # fmt: skip
+
+
+def metric_events(run_dir: Path, name: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("event") == name]
+
+
+def debug_dump(run_dir: Path) -> dict:
+    dump = json.loads((run_dir / "debug" / "rank0.json").read_text())
+    return {k: dump[k] for k in ("step", "samples_seen", "cursor", "param_checksum", "queue_checksum")}
+
+
+def nonfinite_batches(work: Path, runs: int, rng: random.Random) -> None:
+    """A NaN in one batch at a random step: finished, 1 skip counted at that batch, every final weight
+    finite and the model file, queue and cursor bit-identical to a clean run forced to skip that batch."""
+    import torch
+    from safetensors.torch import load_file
+
+    shards = training_shards(work)
+    results = {}
+    for precision, name in (("no", "fp32"), ("bf16", "bf16")):
+        ok = 0
+        for run in range(runs):
+            bad = (0, rng.randrange(1, GUARD_STEPS - 1))
+            flag = f"--train.mixed_precision={precision}"
+            nan_dir, ref_dir = work / f"nan-{name}-{run}", work / f"nan-{name}-{run}-ref"
+            for d in (nan_dir, ref_dir):
+                shutil.rmtree(d, ignore_errors=True)
+            done = guard_run(shards, nan_dir, [bad], [], flag)
+            ref = guard_run(shards, ref_dir, [], [bad], flag)
+            if done.returncode or ref.returncode:
+                print(
+                    f"      {nan_dir.name}: exit codes {done.returncode}, {ref.returncode}: "
+                    f"{done.stderr[-500:]}"
+                )
+                continue
+            skips = [(e["epoch"], e["batch"]) for e in metric_events(nan_dir, "nonfinite_skip")]
+            weights = load_file(nan_dir / "model" / "model.safetensors")
+            ref_weights = load_file(ref_dir / "model" / "model.safetensors")
+            finite = all(bool(torch.isfinite(w).all()) for w in weights.values())
+            same = weights.keys() == ref_weights.keys() and all(
+                torch.equal(weights[k], ref_weights[k]) for k in weights
+            )
+            dump_same = debug_dump(nan_dir) == debug_dump(ref_dir)
+            ok += (
+                skips == [bad]
+                and finite
+                and same
+                and dump_same
+                and debug_dump(nan_dir)["step"] == GUARD_STEPS
+            )
+            print(f"      {name} run {run}: NaN at epoch 0 batch {bad[1]}: skips logged {skips}, finite "
+                  f"{finite}, weights identical to the forced skip {same}, queue/cursor/checksums "
+                  f"identical {dump_same}")  # fmt: skip
+        results[name] = ok
+    row(
+        "a NaN in one batch at a random step (bf16 and fp32), guard on",
+        f"{runs} runs each, finished with the skip counted at that batch, every weight finite and the model "
+        "file, queue and cursor bit-identical to a run that skips the same batch: "
+        + ", ".join(f"{name} {ok}/{runs}" for name, ok in results.items()),
+        all(ok == runs for ok in results.values()),
+    )
+
+
+def nonfinite_stop(work: Path, runs: int, rng: random.Random) -> None:
+    """NaN from a random batch on: exit code 70 after K skips in a row, one line naming the newest
+    checkpoint, which verifies; with the NaN gone the same command resumes from it to the end."""
+    from pipeline.train.guard import EXIT_CODE_NONFINITE
+
+    shards, k, ok, resumed = training_shards(work), 3, 0, 0
+    for run in range(runs):
+        start = rng.randrange(2, GUARD_STEPS - 3)
+        poison = [(e, b) for e in range(2) for b in range(100) if (e, b) >= (0, start)]
+        run_dir = work / f"nan-stop-{run}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        args = ("--checkpoint.every_steps=2", f"--guard.max_nonfinite_steps={k}")
+        done = guard_run(shards, run_dir, poison, [], *args)
+        errors = [x[x.index("error:") :] for x in done.stderr.splitlines() if "error:" in x]
+        newest = f"step-{start // 2 * 2:08d}"
+        names = [p.name for p in Checkpointer(run_dir).checkpoints()]
+        intact = (
+            names[-1:] == [newest]
+            and verify_checkpoint(run_dir / "checkpoints" / newest)["step"] == start // 2 * 2
+        )
+        clean = (
+            done.returncode == EXIT_CODE_NONFINITE and len(errors) == 1 and f"{k} consecutive" in errors[0]
+            and newest in errors[0] and intact
+        )  # fmt: skip
+        ok += clean
+        again = guard_run(shards, run_dir, [], [], *args)
+        resumed += (
+            again.returncode == 0 and f"resumed from {run_dir / 'checkpoints' / newest}" in again.stderr
+        )
+        print(
+            f"      run {run}: NaN from batch {start}: exit {done.returncode}, "
+            f"{errors[0] if errors else 'no error line'}"
+        )
+    row(
+        f"{k} consecutive non-finite steps (guard.max_nonfinite_steps={k})",
+        f"{ok}/{runs} runs stopped with exit code {EXIT_CODE_NONFINITE}, one error line naming the newest "
+        f"checkpoint, that checkpoint intact (verified) and nothing saved after it; {resumed}/{runs} resumed "
+        "from it to the end once the NaN source was gone",
+        ok == runs and resumed == runs,
+    )
+
+
+def loss_spikes(work: Path, runs: int, rng: random.Random) -> None:
+    """The loss x10 on 3 consecutive batches at a random position, guard.spike_factor 3 (2 steps in a row
+    above 3 x the median of 8): rolled back to the newest checkpoint before the spike, the data skipped to
+    2 batches past the detection, the rest of the spiked batches never trained on, the run finished; a
+    rerun from the checkpoint it rolled back to (as after a kill right after the rollback) repeats the
+    decision and ends with the same parameters."""
+    shards, ok, repeated = training_shards(work), 0, 0
+    flags = (
+        "--checkpoint.every_steps=4", "--guard.spike_factor=3", "--guard.spike_steps=2",
+        "--guard.spike_history=8", "--guard.spike_skip_batches=2", "--train.max_steps=20",
+        "--checkpoint.keep_last=10",  # the rerun below starts from the checkpoint rolled back to
+    )  # fmt: skip
+    for run in range(runs):
+        start = rng.randrange(10, 14)  # after the median's history is full and a checkpoint exists
+        spike = [(0, b) for b in range(start, start + 3)]
+        run_dir, again = work / f"spike-{run}", work / f"spike-{run}-rerun"
+        for d in (run_dir, again):
+            shutil.rmtree(d, ignore_errors=True)
+        done = guard_run(shards, run_dir, [], [], *flags, spike=spike)
+        ran = done.returncode == 0
+        trained = [tuple(p) for p in json.loads(done.stdout.split("trained on:")[-1])] if ran else []
+        rollbacks = metric_events(run_dir, "spike_rollback") if ran else []
+        # detection at the 2nd spiked step; the checkpoint before the spike's 1st step; then 2 batches on
+        expected_from = f"step-{start // 4 * 4:08d}"
+        good = (
+            len(rollbacks) == 1 and rollbacks[0]["resumed_from"] == expected_from
+            and rollbacks[0]["skipped_to"] == [0, start + 2 + 2] and (0, start + 2) not in trained
+            and debug_dump(run_dir)["step"] == 20
+        )  # fmt: skip
+        ok += good
+        # the same run stopped right after the rollback (before any new checkpoint), rerun: same decision
+        shutil.copytree(run_dir / "checkpoints" / expected_from, again / "checkpoints" / expected_from)
+        shutil.copytree(run_dir / "tokenizer", again / "tokenizer")
+        rerun = guard_run(shards, again, [], [], *flags, spike=spike)
+        repeated += (
+            rerun.returncode == 0 and metric_events(again, "spike_rollback")[:1] == rollbacks[:1]
+            and debug_dump(again) == debug_dump(run_dir)
+        )  # fmt: skip
+        print(f"      run {run}: loss x10 at batches {start}-{start + 2}: {rollbacks}")
+    row(
+        "a loss spike (x10 on 3 consecutive batches at a random step), guard.spike_factor=3",
+        f"{ok}/{runs} runs rolled back to the newest checkpoint before the spike, skipped the data to 2 "
+        "batches past the detection (the spike's last batch never trained on) and finished; "
+        f"{repeated}/{runs} reruns from that checkpoint repeated the decision and ended bit-identical",
+        ok == repeated == runs,
+    )
+
+
+# ----------------------------------------------------------------------------------- full disk
+def mount_tmpfs(point: Path, size: int) -> None:
+    point.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], check=True)
+
+
+def unmount(point: Path) -> None:
+    subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def fill_disk(point: Path, leave: int) -> Path:
+    """A filler file leaving about ``leave`` bytes free on the file system of ``point``; in chunks, as the
+    run writes its logs meanwhile (a disk that fills up completely here is fine too)."""
+    filler = point / "filler"
+    with open(filler, "wb", buffering=0) as f:  # unbuffered: a failed write leaves nothing to flush
+        while (room := shutil.disk_usage(point).free - leave) > 0:
+            try:
+                f.write(b"\0" * min(room, 1 << 20))
+            except OSError:
+                break
+    return filler
+
+
+def error_lines(text: str) -> list[str]:
+    return [
+        x[x.index("error:") :] for x in text.splitlines() if "error:" in x
+    ]  # tqdm may precede it on a line
+
+
+NO_ESTIMATE = """
+import sys
+
+sys.path.insert(0, "{launch}")
+from pretrain import main
+
+from pipeline.train.checkpoint import Checkpointer
+
+Checkpointer.newest_size = lambda self: 0
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def disk_full_checkpoints(work: Path, runs: int, rng: random.Random) -> None:
+    """A 2-process run on a 64 MiB tmpfs whose disk is filled at a random step: the next checkpoint save
+    fails on every rank with one error line, the processes exit (no hang), the previous checkpoint
+    verifies, and once the filler is deleted the same command resumes to the parameters, queue, cursor
+    and logged losses of an uninterrupted run."""
+    shards = training_shards(work)
+    ref = reference_training(work, shards)
+    # Odd runs: the trainer with no size estimate (as for a run's first checkpoint), so that the save
+    # starts and meets ENOSPC mid-write on some rank, and the ranks must agree on the failure.
+    no_estimate = work / "pretrain_no_estimate.py"
+    no_estimate.write_text(NO_ESTIMATE.format(launch=REPO / "launch"), encoding="utf-8")
+    clear, no_hang, intact, same, kinds, exit_codes, waits = 0, 0, 0, 0, [], set(), []
+    for run in range(runs):
+        mount = work / f"disk-ckpt-{run}"
+        mount_tmpfs(mount, 64 << 20)
+        try:
+            run_dir = mount / "run"
+            target = rng.randrange(3, TRAIN_STEPS - 6)
+            log_file = work / f"disk-ckpt-{run}.log"
+            with open(log_file, "w") as log_out:
+                script = no_estimate if run % 2 else REPO / "launch" / "pretrain.py"
+                child = subprocess.Popen(
+                    launch_cmd(shards, run_dir, script), start_new_session=True, env=train_env(),
+                    stdout=log_out, stderr=subprocess.STDOUT,
+                )  # fmt: skip
+                while child.poll() is None and max(logged_steps(run_dir), default=0) < target:
+                    time.sleep(0.05)
+                newest = Checkpointer(run_dir).checkpoints()[-1]
+                size = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+                filler = fill_disk(mount, max(16 << 10, size // 4))
+                filled_at = time.monotonic()
+                try:
+                    child.wait(timeout=180)
+                except subprocess.TimeoutExpired:
+                    kill_everything(child)
+            waits.append(time.monotonic() - filled_at)
+            no_hang += child.returncode is not None and waits[-1] < 180
+            exit_codes.add(child.returncode)
+            errors = [e for e in error_lines(log_file.read_text()) if str(run_dir / "checkpoints") in e]
+            kinds += (
+                ["before the write" if "not enough disk space" in errors[0] else "while writing"]
+                if errors
+                else []
+            )
+            clear += len(errors) == 2 and "needed" in errors[0]  # one line from each rank
+            latest = Checkpointer(run_dir).latest()
+            leftovers = list((run_dir / "checkpoints").glob(".tmp-*"))
+            intact += latest is not None and verify_checkpoint(latest) is not None and not leftovers
+            print(f"      run {run}: disk filled after step {target}, exit {child.returncode} "
+                  f"{waits[-1]:.1f} s later; newest checkpoint {latest.name if latest else None}; "
+                  f"{errors[0] if errors else 'no error line'}")  # fmt: skip
+            filler.unlink()
+            done = subprocess.run(
+                launch_cmd(shards, run_dir), capture_output=True, text=True, env=train_env()
+            )
+            same += done.returncode == 0 and same_training(final_state(run_dir), ref)
+        finally:
+            unmount(mount)
+    row(
+        "disk full at a checkpoint write (2-process accelerate launch, tmpfs run directory)",
+        f"{runs} runs: {clear}/{runs} with one error line per rank naming the checkpoint directory and the "
+        f"space needed ({kinds.count('before the write')} refused by the free-space check, "
+        f"{kinds.count('while writing')} by ENOSPC mid-write: every other run saves without a size "
+        f"estimate), {no_hang}/{runs} exited without hanging (max {max(waits):.1f} s after the fill; "
+        f"launcher exit codes {sorted(exit_codes)}), {intact}/{runs} "
+        f"with the previous checkpoint intact, {same}/{runs} resumed after freeing space to a state "
+        "bit-identical to an uninterrupted run",
+        clear == no_hang == intact == same == runs,
+    )
+
+
+def teacher_input(work: Path) -> Path:
+    """Preprocessed shards of 500 sentences from the corpus's first 12,000 lines (a teacher run ~10 s)."""
+    out = work / "tea-input"
+    if not (out / MANIFEST).is_file():
+        corpus = work / "tea-corpus.txt"
+        lines = SAMPLE_CORPUS.read_text(encoding="utf-8").splitlines()[:12_000]
+        corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        subprocess.run(preprocess_cmd([corpus], out, per_shard=500), check=True, capture_output=True)
+    return out
+
+
+def tiny_teacher(work: Path) -> Path:
+    """A random 2-layer, 32-wide char-vocabulary encoder saved as a model folder (the teacher's speed
+    and output format are what matter here, not its quality)."""
+    from pipeline.model import (
+        SentenceEncoder,
+        build_char_vocab,
+        build_scratch_backbone,
+        make_tokenizer,
+        write_vocab,
+    )
+
+    folder = work / "tiny-teacher"
+    if not (folder / "model.safetensors").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        vocab = build_char_vocab(sample_sentences(2000))
+        write_vocab(vocab, folder / "vocab.txt")
+        config = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                  "intermediate_size": 64, "max_position_embeddings": 64}  # fmt: skip
+        backbone = build_scratch_backbone(config, len(vocab), 0)
+        SentenceEncoder(backbone, make_tokenizer(folder / "vocab.txt"), "mean", 48, "").save_pretrained(
+            folder
+        )
+    return folder
+
+
+def teacher_cmd(shards: Path, out: Path, model: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "pipeline", "teacher", f"--shards={shards}", f"--out={out}", f"--model={model}",
+        "--workers=2", "--device=cpu", "--progress=false",
+    ]  # fmt: skip
+
+
+def shard_set(out: Path) -> tuple:
+    """Every shard's name, size and sha256, and the counts: what a fault must not change."""
+    manifest = read_manifest(out)
+    shards = [(s["name"], s["bytes"], s["sha256"]) for s in manifest["shards"]]
+    return shards, json.dumps(manifest.get("counts"), sort_keys=True)
+
+
+def stage_commands(work: Path) -> dict[str, tuple[Callable[[Path], list[str]], str]]:
+    """stage -> (command writing to an output directory, its work directory's name)."""
+    pp_small, teacher = teacher_input(work), tiny_teacher(work)
+    return {
+        "preprocess": (lambda out: preprocess_cmd([SAMPLE_CORPUS], out, per_shard=1000), ".work"),
+        "augment": (lambda out: augment_cmd(pp_small, out), ".augment-work"),
+        "teacher": (lambda out: teacher_cmd(pp_small, out, teacher), ".teacher-work"),
+    }
+
+
+def disk_full_stages(work: Path, runs: int, rng: random.Random) -> None:
+    """Each offline stage writing to a tmpfs of 20-70% of its output's size: exit code 74 with one error
+    line naming the output directory, no traceback; after the tmpfs is enlarged (space freed) the same
+    command finishes with shards identical to a clean run's."""
+    from pipeline.io import EXIT_CODE_DISK_FULL
+
+    counts = []
+    for name, (cmd, _) in stage_commands(work).items():
+        clean = work / f"{name}-clean-disk"
+        if not (clean / MANIFEST).is_file():
+            subprocess.run(cmd(clean), check=True, capture_output=True)
+        expected = shard_set(clean)
+        size = sum(f.stat().st_size for f in clean.rglob("*") if f.is_file())
+        clear, same = 0, 0
+        for run in range(runs):
+            mount = work / f"disk-{name}-{run}"
+            share = rng.uniform(0.2, 0.7)
+            mount_tmpfs(mount, max(64 << 10, int(size * share) // 4096 * 4096))
+            try:
+                out = mount / "out"
+                done = subprocess.run(cmd(out), capture_output=True, text=True, timeout=600)
+                errors = error_lines(done.stderr)
+                clear += (
+                    done.returncode == EXIT_CODE_DISK_FULL and len(errors) == 1 and str(out) in errors[0]
+                    and "Traceback" not in done.stderr
+                )  # fmt: skip
+                print(f"      {name} run {run}: tmpfs {share:.0%} of the output, exit {done.returncode}: "
+                      f"{errors[0] if errors else done.stderr[-300:]}")  # fmt: skip
+                subprocess.run(["mount", "-o", "remount,size=1g", str(mount)], check=True)  # space freed
+                subprocess.run(cmd(out), check=True, capture_output=True, timeout=600)
+                same += shard_set(out) == expected
+            finally:
+                unmount(mount)
+        counts.append((name, clear, same))
+    row(
+        "disk full during preprocess, augment and teacher (tmpfs of 20-70% of the output), rerun after "
+        "freeing space",
+        "; ".join(
+            f"{name}: {clear}/{runs} exit 74 with one error line naming the output directory, "
+            f"{same}/{runs} reruns with shards (sha256) and counts identical to a clean run"
+            for name, clear, same in counts
+        ),  # fmt: skip
+        all(clear == same == runs for _, clear, same in counts),
+    )
+
+
+def teacher_kills(work: Path, runs: int, rng: random.Random) -> None:
+    cmd, work_name = stage_commands(work)["teacher"]
+    clean = work / "tea-clean"
+    work_seconds = timed_clean_run(cmd(clean), clean, work_name)
+    print(f"      clean teacher: {work_seconds:.1f} s of work after its imports")
+    expected, same, landed, partial, redone = shard_set(clean), 0, 0, 0, 0
+    for run in range(runs):
+        out = work / f"tea-killed-{run}"
+        # the workers load torch and the model in the first part of the work: kill among the shards
+        hit, missed = kill_during_work(cmd(out), out, work_name, work_seconds, rng, (0.35, 0.9))
+        landed, redone = landed + hit, redone + missed
+        done = len(list((out / work_name).glob("*.json")))
+        partial += done
+        print(f"      teacher run {run}: killed with {done} shard(s) recorded done")
+        subprocess.run(cmd(out), check=True, capture_output=True)
+        same += shard_set(out) == expected
+    row(
+        "teacher (2 workers) killed with kill -9 of its process group, rerun",
+        f"{runs} runs ({landed} kills before the end, {partial} finished shards kept over all kills; "
+        f"{redone} runs finished before their kill and were redone), "
+        f"{same}/{runs} with shards (sha256) and counts identical to a clean run",
+        same == runs and landed == runs,
     )
 
 
@@ -555,7 +1038,8 @@ def main() -> int:
         "--rows",
         nargs="*",
         default=[],
-        help="only these rows (checkpoint shards preprocess gzip augment training malformed; default: all)",
+        help="only these rows (checkpoint shards preprocess gzip augment training malformed nonfinite "
+        "nonfinite-stop spike disk-checkpoint disk-stages teacher; default: all)",
     )
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -571,6 +1055,12 @@ def main() -> int:
             "augment": lambda: augment_kills(work, 2 if args.quick else 3, rng),
             "training": lambda: training_kills(work, 2 if args.quick else 5, 2, rng),
             "malformed": lambda: malformed_inputs(work, 1 << 18 if args.quick else 1 << 22),
+            "nonfinite": lambda: nonfinite_batches(work, 2 if args.quick else 5, rng),
+            "nonfinite-stop": lambda: nonfinite_stop(work, 2 if args.quick else 3, rng),
+            "spike": lambda: loss_spikes(work, 2 if args.quick else 3, rng),
+            "disk-checkpoint": lambda: disk_full_checkpoints(work, 2 if args.quick else 5, rng),
+            "disk-stages": lambda: disk_full_stages(work, 2 if args.quick else 3, rng),
+            "teacher": lambda: teacher_kills(work, 2 if args.quick else 3, rng),
         }
         unknown = set(args.rows) - set(rows)
         if unknown:

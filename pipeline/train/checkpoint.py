@@ -352,8 +352,9 @@ class Checkpointer:
                     raise
                 failure = str(exc)
         if distributed.is_main_process() and failure is not None:
+            written = sum(f.stat().st_size for f in walk_files(tmp)) if tmp.is_dir() else 0
             shutil.rmtree(tmp, ignore_errors=True)
-            failure = self._disk_full_message(final.name, failure)
+            failure = self._disk_full_message(final.name, failure, written)
         # nobody proceeds (or exits) before the checkpoint is visible, or before the partial one is gone
         failure = distributed.broadcast_object(failure)
         if failure is not None:
@@ -384,13 +385,14 @@ class Checkpointer:
         newest = self._find_latest(verify=False)
         return sum(f.stat().st_size for f in walk_files(newest)) if newest else 0
 
-    def _disk_full_message(self, name: str, error: str) -> str:
+    def _disk_full_message(self, name: str, error: str, written: int) -> str:
         newest = self._find_latest(verify=False)
+        previous = f"{newest.name} takes {format_size(self.newest_size())}" if newest else "none before"
+        needed = max(self.newest_size(), written)
         return (
-            f"disk full in {self.dir} while writing checkpoint {name} (about "
-            f"{format_size(self.newest_size())} needed, the size of {newest.name if newest else 'none'}; "
-            f"{error}). The partial checkpoint was removed and the previous ones are intact: free space "
-            "and rerun the same command to resume"
+            f"disk full in {self.dir} while writing checkpoint {name} (about {format_size(needed)} needed: "
+            f"{format_size(written)} were written, {previous}; {error}). The partial checkpoint was removed "
+            "and the previous ones are intact: free space and rerun the same command to resume"
         )
 
     def _save_engine(self, tmp: Path) -> dict[str, Any]:
