@@ -1,9 +1,10 @@
 """The training loop: :func:`train` (steps, logging, evaluation, checkpoints) and :func:`train_step`.
 
-No host sync in the hot loop: losses stay on the device and are read back only at log steps.
-Collectives (loss gather in the objective, queue enqueue, the all-reduce of the logged loss, the
-checkpoint decision) happen at the same steps on every rank because every decision depends only on
-the step counter or on a value broadcast from rank 0.
+One host sync per step, the non-finite guard's verdict (two numbers: is the step finite on every rank,
+and its loss; ``guard.max_nonfinite_steps: 0`` removes it); otherwise losses stay on the device and are
+read back only at log steps. Collectives (loss gather in the objective, queue enqueue, the guard's
+all-reduce, the all-reduce of the logged loss, the checkpoint decision) happen at the same steps on
+every rank because every decision depends only on the step counter or on a value all ranks agreed on.
 """
 
 from __future__ import annotations
