@@ -199,7 +199,7 @@ def mlm_forward_backward(
 
 
 def log_step(t: Trainer, out: dict[str, torch.Tensor], throughput: Throughput, bar: Any) -> None:
-    """Collective (loss all-reduce); rank 0 writes. The only host syncs of the loop are here."""
+    """Collective (loss all-reduce); rank 0 writes. The loop's host syncs besides the guard's verdict."""
     loss = dist.all_reduce_mean(out["loss"]).item()
     record: dict[str, Any] = {
         "step": t.state.step,
