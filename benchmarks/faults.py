@@ -728,10 +728,10 @@ def unmount(point: Path) -> None:
 
 
 def fill_disk(point: Path, leave: int) -> Path:
-    """A filler file leaving about ``leave`` bytes free on the file system of ``point``; in chunks, as the
-    run writes its logs meanwhile (a disk that fills up completely here is fine too)."""
+    """Grow a filler file until about ``leave`` bytes are free on the file system of ``point``; in
+    chunks, as the run writes meanwhile (a disk that fills up completely here is fine too)."""
     filler = point / "filler"
-    with open(filler, "wb", buffering=0) as f:  # unbuffered: a failed write leaves nothing to flush
+    with open(filler, "ab", buffering=0) as f:  # unbuffered: a failed write leaves nothing to flush
         while (room := shutil.disk_usage(point).free - leave) > 0:
             try:
                 f.write(b"\0" * min(room, 1 << 20))
@@ -760,10 +760,10 @@ sys.exit(main(sys.argv[1:]))
 
 
 def disk_full_checkpoints(work: Path, runs: int, rng: random.Random) -> None:
-    """A 2-process run on a 64 MiB tmpfs whose disk is filled at a random step: the next checkpoint save
-    fails on every rank with one error line, the processes exit (no hang), the previous checkpoint
-    verifies, and once the filler is deleted the same command resumes to the parameters, queue, cursor
-    and logged losses of an uninterrupted run."""
+    """A 2-process run on a 64 MiB tmpfs whose disk is filled (and kept full) at a random step: the next
+    checkpoint save fails on every rank with one error line, the processes exit (no hang), the previous
+    checkpoint verifies, and once the filler is deleted the same command resumes to the parameters,
+    queue, cursor and logged losses of an uninterrupted run."""
     shards = training_shards(work)
     ref = reference_training(work, shards)
     # Odd runs: the trainer with no size estimate (as for a run's first checkpoint), so that the save
@@ -788,11 +788,15 @@ def disk_full_checkpoints(work: Path, runs: int, rng: random.Random) -> None:
                     time.sleep(0.05)
                 newest = Checkpointer(run_dir).checkpoints()[-1]
                 size = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
-                filler = fill_disk(mount, max(16 << 10, size // 4))
+                leave = max(16 << 10, size // 4)
+                filler = fill_disk(mount, leave)
                 filled_at = time.monotonic()
-                try:
-                    child.wait(timeout=180)
-                except subprocess.TimeoutExpired:
+                # Kept full, as by another job writing to the same disk: the run's own pruning of an old
+                # checkpoint (keep_last) would otherwise free room for the next one.
+                while child.poll() is None and time.monotonic() - filled_at < 180:
+                    fill_disk(mount, leave)
+                    time.sleep(0.05)
+                if child.poll() is None:
                     kill_everything(child)
             waits.append(time.monotonic() - filled_at)
             no_hang += child.returncode is not None and waits[-1] < 180
