@@ -55,12 +55,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from preprocess import PeakRSS, make_corpus  # noqa: E402  (the shared corpus generator)
 
-from pipeline.io import atomic_write_json  # noqa: E402
 from pipeline.shards import (  # noqa: E402
     iter_blocks,
     new_manifest,
     read_manifest,
     shard_name,
+    write_manifest,
     write_shard,
 )
 
@@ -185,7 +185,7 @@ def sample_shards(source: Path, out: Path, rows: int) -> int:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     entry = write_shard(out / shard_name(0), blocks, 0)
-    atomic_write_json(out / "manifest.json", new_manifest("preprocess", {}, [entry], counts={}))
+    write_manifest(out, new_manifest("preprocess", {}, [entry], counts={}))
     return taken
 
 
@@ -401,8 +401,7 @@ def training_shards(out: Path, n: int, teacher: bool, model: Path, workers: int 
             "max_length": 512,
         }
     config = {"num_variants": NUM_VARIANTS, "synthetic": "benchmarks/scale.py"}
-    manifest = new_manifest("tokenize", config, entries, counts={"sentences": n}, **extra)
-    atomic_write_json(out / "manifest.json", manifest)
+    write_manifest(out, new_manifest("tokenize", config, entries, counts={"sentences": n}, **extra))
     return time.perf_counter() - started
 
 

@@ -38,6 +38,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 BLOCK_EXT = "arrow"
 INDEX_EXT = "idx"
+SET_INDEX = "shard-blocks.idx"  # every shard's block index in one file, written with the manifest
 
 # Columns every stage writes. Later stages add columns and keep these (see shards/README.md).
 BASE_SCHEMA = pa.schema(
@@ -214,20 +215,27 @@ class _IndexBuilder:
             writer.write_table(self.table(), max_chunksize=max(1, self.samples))
 
 
-class ShardIndex:
-    """One shard's block index, memory-mapped: reading it costs a few bytes per block, not per row."""
+# the shard set's index: the shards' indexes concatenated in manifest order, with each block's shard
+SET_INDEX_SCHEMA = pa.schema([pa.field("shard", pa.uint32(), nullable=False), *INDEX_SCHEMA])
 
-    def __init__(self, shard: Path, index_path: Path):
+
+class ShardIndex:
+    """A block index (one shard's, or the set's with its ``shard`` column), memory-mapped: opening it
+    reads a few bytes per block; the per-row lengths are views whose pages are read when touched."""
+
+    def __init__(self, shard: Path | None, index_path: Path, schema: pa.Schema = INDEX_SCHEMA):
         self.shard = shard
         try:
             table = pa.ipc.open_file(pa.memory_map(str(index_path), "r")).read_all()
         except (pa.ArrowInvalid, OSError) as exc:
             raise InputError(
-                f"block index {index_path} is unreadable ({exc}); add it again with "
-                f"`python -m pipeline shards index {shard.parent}`"
+                f"block index {index_path} is unreadable ({exc}); write it again with "
+                f"`python -m pipeline shards index {index_path.parent}`"
             ) from None
-        if table.schema != INDEX_SCHEMA:
+        if table.schema != schema:
             raise InputError(f"{index_path} is not a block index of this format; rerun its stage")
+        self.table = table
+        self.shards = _column(table, "shard") if "shard" in schema.names else None
         self.offsets = _column(table, "offset")
         self.sizes = _column(table, "size")
         self.rows = _column(table, "rows")
@@ -263,16 +271,22 @@ def block_index(directory: str | Path, entry: dict[str, Any], verify: bool = Tru
         )
     path = directory / recorded["name"]
     problem = file_problem(path, recorded["bytes"], recorded["sha256"]) if verify else None
-    if problem is None and not shard.is_file():
-        problem = "is missing"
-        path = shard
-    elif problem is None and shard.stat().st_size != entry["bytes"]:
-        size = shard.stat().st_size
-        problem = f"has {size} bytes, the manifest says {entry['bytes']} (truncated or modified)"
-        path = shard
     if problem:
         raise InputError(f"{path} {problem} against {directory / MANIFEST}: re-create it (rerun the stage)")
+    check_shard_size(directory, entry)
     return ShardIndex(shard, path)
+
+
+def check_shard_size(directory: Path, entry: dict[str, Any]) -> None:
+    """Refuse a missing shard, or one whose size is not its manifest's (truncated or modified): free."""
+    shard = Path(directory) / entry["name"]
+    problem = None
+    if not shard.is_file():
+        problem = "is missing"
+    elif (size := shard.stat().st_size) != entry["bytes"]:
+        problem = f"has {size} bytes, the manifest says {entry['bytes']} (truncated or modified)"
+    if problem:
+        raise InputError(f"{shard} {problem} against {directory / MANIFEST}: re-create it (rerun the stage)")
 
 
 def index_entry(path: Path) -> dict[str, Any]:
@@ -289,9 +303,50 @@ def check_block(shard: Path, block: int, data: bytes, crc32: int) -> None:
         )
 
 
+def write_manifest(directory: str | Path, manifest: dict[str, Any]) -> None:
+    """Finish a shard set: the set's block index (every shard's index in one file, so a reader opens one
+    file instead of one per shard), then ``manifest.json``, whose presence means the stage finished."""
+    directory = Path(directory)
+    entries = manifest["shards"]
+    if entries and all("index" in entry for entry in entries):
+        path = directory / SET_INDEX
+        atomic_write(path, lambda tmp: _write_set_index(directory, entries, tmp))
+        manifest["index"] = index_entry(path)
+    atomic_write_json(directory / MANIFEST, manifest)
+
+
+def _write_set_index(directory: Path, entries: list[dict[str, Any]], path: Path) -> None:
+    parts = []
+    for position, entry in enumerate(entries):
+        table = block_index(directory, entry, verify=True).table  # a last check of what the stage wrote
+        shard = pa.array(np.full(table.num_rows, position, np.uint32))
+        parts.append(table.add_column(0, SET_INDEX_SCHEMA.field("shard"), shard))
+    combined = pa.concat_tables(parts).combine_chunks()
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, SET_INDEX_SCHEMA) as writer:
+        writer.write_table(combined, max_chunksize=max(1, combined.num_rows))
+
+
+def set_index(directory: str | Path, manifest: dict[str, Any], verify: bool = True) -> ShardIndex | None:
+    """The shard set's block index, or None for a set finished before it existed (then read the
+    shards' own indexes); ``verify`` checks its size and sha256 (about 2 bytes a row)."""
+    recorded = manifest.get("index")
+    if recorded is None:
+        return None
+    directory = Path(directory)
+    path = directory / recorded["name"]
+    problem = file_problem(path, recorded["bytes"], recorded["sha256"]) if verify else None
+    if problem:
+        raise InputError(
+            f"{path} {problem} against {directory / MANIFEST}: write it again with "
+            f"`python -m pipeline shards index {directory}`"
+        )
+    return ShardIndex(None, path, SET_INDEX_SCHEMA)
+
+
 def add_indexes(directory: str | Path) -> int:
     """Write the block index of every shard of ``directory`` that lacks one (shards of versions before 0.2)
-    and add them to the manifest; returns how many were written. Reads every block once: run it once."""
+    and the set's index, and rewrite the manifest; returns how many shard indexes were written. Reads
+    every block of the shards without an index once."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     added = 0
@@ -309,8 +364,7 @@ def add_indexes(directory: str | Path) -> int:
         atomic_write(index_path, index.write)
         entry["index"] = index_entry(index_path)
         added += 1
-    if added:
-        atomic_write_json(directory / MANIFEST, manifest)
+    write_manifest(directory, manifest)
     return added
 
 

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from pipeline.io import atomic_write_json
 from pipeline.resources import sample_sentences
-from pipeline.shards import new_manifest, sentence_id, shard_name, write_shard
+from pipeline.shards import new_manifest, sentence_id, shard_name, write_manifest, write_shard
 
 SCHEMA = pa.schema(
     [
@@ -65,8 +64,7 @@ def make_shards(
             ids.extend(sentence_id(t) for t in rows)
             blocks.append(table)
         entries.append(write_shard(directory / shard_name(s), blocks, s))
-    manifest = new_manifest("augment", {"num_variants": num_variants}, entries, counts={})
-    atomic_write_json(directory / "manifest.json", manifest)
+    write_manifest(directory, new_manifest("augment", {"num_variants": num_variants}, entries, counts={}))
     return ids
 
 

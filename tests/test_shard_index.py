@@ -9,13 +9,19 @@ from _train_data import make_shards
 from pipeline.cli import main as cli_main
 from pipeline.data.stream import BatchStream, ShardSource, index_shards, read_block
 from pipeline.errors import InputError
-from pipeline.shards import MANIFEST, index_name, iter_blocks, read_manifest, row_lengths
+from pipeline.shards import MANIFEST, SET_INDEX, index_name, iter_blocks, read_manifest, row_lengths
 
 
-@pytest.fixture
-def shards(tmp_path):
+@pytest.fixture(params=["set index", "shard indexes"])
+def shards(tmp_path, request):
+    """A shard set as the stages write it (one index for the set), and as sets finished before the set
+    index existed (each shard's own index only)."""
     d = tmp_path / "shards"
     make_shards(d, [[20, 13], [9, 30, 5], [17, 6]], num_variants=2)
+    if request.param == "shard indexes":
+        manifest = json.loads((d / MANIFEST).read_text())
+        (d / manifest.pop("index")["name"]).unlink()
+        (d / MANIFEST).write_text(json.dumps(manifest))
     return d
 
 
@@ -35,9 +41,13 @@ def test_index_matches_the_blocks_and_the_manifest_lists_it(shards):
     for ref, e in zip(refs, expected):
         assert np.array_equal(ref.lengths, e[4])
         assert ref.lengths.max() > 5  # characters of text/variants, not a placeholder
-    for entry in read_manifest(shards)["shards"]:
+    manifest = read_manifest(shards)
+    for entry in manifest["shards"]:
         assert entry["index"]["name"] == index_name(entry["name"])
         assert (shards / entry["index"]["name"]).stat().st_size == entry["index"]["bytes"]
+    if "index" in manifest:
+        assert manifest["index"]["name"] == SET_INDEX
+        assert [r.block for r in refs] == [0, 1, 0, 1, 2, 0, 1]
     assert [read_block(r).num_rows for r in refs] == [e[3] for e in expected]
 
 
@@ -77,12 +87,12 @@ def test_truncated_shard_and_modified_index_are_refused_at_start_naming_the_file
     victim = shards / "shard-000002.tar"
     victim.write_bytes(victim.read_bytes()[:-512])
     with pytest.raises(InputError, match=r"shard-000002\.tar has \d+ bytes, the manifest says"):
-        index_shards(shards, verify=False)  # the size is checked even without verify
-    index = shards / "shard-000000.idx"
+        index_shards(shards)
+    index = shards / (read_manifest(shards).get("index", {}).get("name") or "shard-000000.idx")
     data = bytearray(index.read_bytes())
     data[-100] ^= 1
     index.write_bytes(bytes(data))
-    with pytest.raises(InputError, match=r"shard-000000\.idx fails its sha256 check"):
+    with pytest.raises(InputError, match=rf"{index.name} fails its sha256 check"):
         index_shards(shards)
 
 
@@ -91,6 +101,8 @@ def test_old_shard_sets_get_a_command_and_the_command_adds_identical_indexes(sha
     manifest = json.loads((shards / MANIFEST).read_text())
     for entry in manifest["shards"]:
         (shards / entry.pop("index")["name"]).unlink()
+    if "index" in manifest:
+        (shards / manifest.pop("index")["name"]).unlink()
     (shards / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(InputError, match=r"without a block index .*python -m pipeline shards index"):
         index_shards(shards)
@@ -98,5 +110,6 @@ def test_old_shard_sets_get_a_command_and_the_command_adds_identical_indexes(sha
     assert "wrote 3 block index(es)" in capsys.readouterr().out
     after = [(r.path, r.offset, r.size, r.rows, r.crc32, r.lengths.tolist()) for r in index_shards(shards)]
     assert after == before
+    assert read_manifest(shards)["index"]["name"] == SET_INDEX  # the command writes the set's index too
     assert cli_main(["shards", "index", str(shards)]) == 0  # a rerun has nothing left to do
     assert "wrote 0 block index(es), 3 already there" in capsys.readouterr().out

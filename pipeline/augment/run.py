@@ -25,7 +25,7 @@ from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_json, sha256_file
 from pipeline.resources import CILIN
-from pipeline.shards import MANIFEST, read_manifest, read_shard, verify_shard, write_shard
+from pipeline.shards import MANIFEST, read_manifest, read_shard, verify_shard, write_manifest, write_shard
 from pipeline.stages import (
     already_done,
     claim_out_dir,
@@ -301,7 +301,7 @@ def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, An
     for record in records:
         add_counts(counts, record["counts"])
     manifest = _new_manifest(fingerprint, [r["entry"] for r in records], counts)
-    atomic_write_json(cfg.out / MANIFEST, manifest)
+    write_manifest(cfg.out, manifest)
     shutil.rmtree(cfg.out / WORK_DIR, ignore_errors=True)  # the manifest now records everything in it
     log.info(
         "wrote %s: %d sentences, %d variants, %d short",

@@ -38,7 +38,15 @@ from pipeline.data.token_ids import (
 )
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_json, sha256_file
-from pipeline.shards import MANIFEST, new_manifest, read_manifest, read_shard, verify_shard, write_shard
+from pipeline.shards import (
+    MANIFEST,
+    new_manifest,
+    read_manifest,
+    read_shard,
+    verify_shard,
+    write_manifest,
+    write_shard,
+)
 from pipeline.stages import (
     already_done,
     claim_out_dir,
@@ -233,7 +241,7 @@ def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, An
         tokenizer=fingerprint["tokenizer"],
         **{key: in_manifest[key] for key in CARRIED if key in in_manifest},
     )
-    atomic_write_json(cfg.out / MANIFEST, manifest)
+    write_manifest(cfg.out, manifest)
     shutil.rmtree(cfg.out / WORK_DIR, ignore_errors=True)  # the manifest now records everything in it
     log.info("wrote %s: %d texts, %d tokens", cfg.out / MANIFEST, counts["texts_tokenized"], counts["tokens"])
     return True

@@ -38,7 +38,15 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.data.token_ids import TOKEN_ID_COLUMNS, ragged_rows
 from pipeline.errors import ConfigError, InputError, PipelineError
-from pipeline.shards import block_index, check_block, ipc_to_table, iter_blocks, read_manifest
+from pipeline.shards import (
+    block_index,
+    check_block,
+    check_shard_size,
+    ipc_to_table,
+    iter_blocks,
+    read_manifest,
+    set_index,
+)
 from pipeline.teacher.vectors import block_teacher
 from pipeline.train.signals import ignore_preemption_signals
 
@@ -79,7 +87,20 @@ def index_shards(
         raise ConfigError(f"data.shards: {directory} is not a directory; run preprocess/augment first")
     manifest = read_manifest(directory)
     blocks: list[BlockRef] = []
-    for entry in manifest["shards"]:
+    whole = set_index(directory, manifest, verify)
+    if whole is not None:  # one file for the whole set: what stages of this version write
+        names = [str(directory / entry["name"]) for entry in manifest["shards"]]
+        if verify:  # a truncated shard is refused here, a modified block when it is read
+            for entry in manifest["shards"]:
+                check_shard_size(directory, entry)
+        first = np.searchsorted(whole.shards, np.arange(len(names)))  # each shard's first block
+        for k in range(len(whole)):
+            shard = int(whole.shards[k])
+            crc = int(whole.crcs[k]) if check_blocks else None
+            offset, size, rows = int(whole.offsets[k]), int(whole.sizes[k]), int(whole.rows[k])
+            number = k - int(first[shard])  # the block's number within its shard, for messages
+            blocks.append(BlockRef(names[shard], offset, size, rows, whole.lengths(k), crc, number))
+    for entry in manifest["shards"] if whole is None else []:
         index = block_index(directory, entry, verify)
         path = str(index.shard)
         for k in range(len(index)):

@@ -31,12 +31,11 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError, InputError
-from pipeline.io import atomic_write_json
 from pipeline.preprocess import passes
 from pipeline.preprocess.neardup import NearDupParams
 from pipeline.preprocess.readers import COLLECTIONS, Unit, expand_inputs, plan_units
 from pipeline.resources import SAMPLE_CORPUS
-from pipeline.shards import MANIFEST, new_manifest, shard_name
+from pipeline.shards import MANIFEST, new_manifest, shard_name, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -432,7 +431,7 @@ def _finalize(cfg: Config, plan: Plan, elapsed: float) -> None:
     if drops is not None:
         audit["samples"]["near_duplicate"] = _near_dup_examples(cfg, plan)
     manifest = new_manifest("preprocess", output_config(cfg), entries, counts=counts, audit=audit)
-    atomic_write_json(cfg.out / MANIFEST, manifest)
+    write_manifest(cfg.out, manifest)
     # The manifest is down: the intermediate files and any temporary file of a killed writer can go.
     shutil.rmtree(cfg.work, ignore_errors=True)
     for stale in cfg.out.glob(".shard-*.tmp-*"):  # a shard or the files write_shard puts beside it

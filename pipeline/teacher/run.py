@@ -38,7 +38,15 @@ import pyarrow as pa
 from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_json, sha256_file
-from pipeline.shards import MANIFEST, new_manifest, read_manifest, read_shard, verify_shard, write_shard
+from pipeline.shards import (
+    MANIFEST,
+    new_manifest,
+    read_manifest,
+    read_shard,
+    verify_shard,
+    write_manifest,
+    write_shard,
+)
 from pipeline.stages import (
     already_done,
     claim_out_dir,
@@ -385,7 +393,7 @@ def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, An
         teacher=fingerprint["teacher"],
         **extra,
     )
-    atomic_write_json(cfg.out / MANIFEST, manifest)
+    write_manifest(cfg.out, manifest)
     shutil.rmtree(cfg.out / WORK_DIR, ignore_errors=True)  # the manifest now records everything in it
     log.info("wrote %s: %d sentences, teacher %s", cfg.out / MANIFEST, counts["sentences"], cfg.model)
     return True
