@@ -39,6 +39,7 @@ import os
 import resource
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -650,13 +651,17 @@ def table(results: Results, bandwidth: float, rows_per_s: float) -> None:
         print("no results yet")
         return
     sizes = sorted({r["n"] for r in rows})
-    metrics: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    runs: dict[tuple[str, str], dict[int, list[dict[str, Any]]]] = {}
     for r in rows:
-        metrics.setdefault((r["part"], r["metric"]), {})[r["n"]] = r  # the newest figure wins
+        runs.setdefault((r["part"], r["metric"]), {}).setdefault(r["n"], []).append(r)
+    metrics: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    for key, by_n in runs.items():  # repeated figures (``--sizes 1M,110M,1M,110M``): their median
+        metrics[key] = {n: {**found[-1], "value": statistics.median(r["value"] for r in found),
+                            "repeats": len(found)} for n, found in by_n.items()}  # fmt: skip
     print(f"\n| part | cost | unit | {' | '.join(label(n) for n in sizes)} | growth exponent |")
     print(f"| --- | --- | --- |{' --- |' * len(sizes)} --- |")
     for (part, metric), by_n in metrics.items():
-        cells = [f"{by_n[n]['value']:,.3g}" if n in by_n else "" for n in sizes]
+        cells = [_cell(by_n[n]) if n in by_n else "" for n in sizes]
         have = sorted(by_n)
         exponent = ""
         if len(have) >= 2 and by_n[have[0]]["value"] > 0 and by_n[have[-1]]["value"] > 0:
@@ -684,6 +689,11 @@ def table(results: Results, bandwidth: float, rows_per_s: float) -> None:
                 f"  N={label(n):>6}: training at {rows_per_s:,.0f} rows/s reads {need:6.1f} MB/s of shards "
                 f"({shard_bytes[n]['note']})"
             )
+
+
+def _cell(figure: dict[str, Any]) -> str:
+    repeats = figure.get("repeats", 1)
+    return f"{figure['value']:,.3g}" + (f" (median of {repeats})" if repeats > 1 else "")
 
 
 def main() -> None:
