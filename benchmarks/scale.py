@@ -721,10 +721,11 @@ def main() -> None:
     )
     parser.add_argument("--keep", action="store_true", help="keep the shards (default: removed after use)")
     parser.add_argument("--reuse", action="store_true", help="train: reuse shards kept by an earlier --keep")
+    parser.add_argument("--results", type=Path, default=None, help="default WORK/results.jsonl")
     parser.add_argument("--table", action="store_true", help="only print the table of WORK/results.jsonl")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    results = Results(args.work / "results.jsonl")
+    results = Results(args.results or args.work / "results.jsonl")
     if not args.table:
         parts = args.parts.split(",")
         print(f"{psutil.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; work {args.work}", flush=True)
