@@ -395,7 +395,9 @@ def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, An
     )
     write_manifest(cfg.out, manifest)
     shutil.rmtree(cfg.out / WORK_DIR, ignore_errors=True)  # the manifest now records everything in it
-    log.info("wrote %s: %d sentences, teacher %s", cfg.out / MANIFEST, counts["sentences"], cfg.model)
+    teacher = fingerprint["teacher"]
+    log.info("wrote %s: %d sentences, teacher %s, %s", cfg.out / MANIFEST, counts["sentences"],
+             teacher["name"], teacher["dtype"])  # fmt: skip
     return True
 
 
