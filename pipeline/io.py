@@ -58,12 +58,19 @@ class DiskFullError(PipelineError):
     exit_code = EXIT_CODE_DISK_FULL
 
 
-def is_disk_full(exc: BaseException) -> bool:
+def is_disk_full(exc: BaseException | None) -> bool:
     """An ENOSPC/EDQUOT error, also as pyarrow (an OSError without errno) and safetensors (its own
-    SafetensorError) report it."""
-    if isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS:
-        return True
-    return "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
+    SafetensorError) report it, or anywhere in the chain of exceptions that led to ``exc`` (torch.save
+    turns the ENOSPC of a write into a RuntimeError about the zip file's position)."""
+    for _ in range(10):  # the chain, bounded
+        if exc is None:
+            return False
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS:
+            return True
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def disk_full_error(exc: BaseException, directory: str | Path | None) -> DiskFullError:

@@ -216,3 +216,19 @@ def test_preprocess_on_a_full_disk_is_one_line_naming_the_output(mount_tmpfs, tm
     errors = [x[x.index("error:") :] for x in done.stderr.splitlines() if "error:" in x]
     assert done.returncode == EXIT_CODE_DISK_FULL, done.stderr[-2000:]
     assert len(errors) == 1 and f"disk full in {out}" in errors[0] and "Traceback" not in done.stderr
+
+
+def test_a_disk_full_error_is_recognised_down_the_exception_chain():
+    """torch.save raises RuntimeError('unexpected pos ...') while handling the ENOSPC of its write."""
+    import errno
+
+    from pipeline.io import is_disk_full
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 301312 vs 301264")
+    except RuntimeError as exc:
+        chained = exc
+    assert is_disk_full(chained) and not is_disk_full(RuntimeError("unexpected pos 1 vs 2"))
