@@ -13,13 +13,15 @@ resumes where it stopped and produces the same bytes as an uninterrupted one.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import multiprocessing as mp
 import shutil
 import time
+from array import array
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -318,19 +320,50 @@ def _split_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
                 log.warning("bad record %s", example)
 
 
+class _Pieces:
+    """Which record batches of which unit files belong to each partition (or bucket), held as three
+    integer arrays: the per-unit JSON maps hold units x partitions entries, and both grow with the
+    corpus (at 110M sentences, 3,700 units x 920 partitions: 1.2 GB of Python lists in this process)."""
+
+    def __init__(self) -> None:
+        self.keys, self.units, self.batches = array("q"), array("q"), array("q")
+
+    def add(self, unit: int, by_key: dict[str, list[int]]) -> None:
+        for key, batch_indices in by_key.items():
+            self.keys.extend([int(key)] * len(batch_indices))
+            self.units.extend([unit] * len(batch_indices))
+            self.batches.extend(batch_indices)
+
+    def freeze(self) -> None:
+        keys = np.frombuffer(self.keys, dtype=np.int64)
+        order = np.argsort(keys, kind="stable")  # within a key: unit order, then each unit's own order
+        self.sorted_keys = keys[order]
+        self.sorted_units = np.frombuffer(self.units, dtype=np.int64)[order]
+        self.sorted_batches = np.frombuffer(self.batches, dtype=np.int64)[order]
+
+    def of(self, key: int) -> list[tuple[int, list[int]]]:
+        """(unit, batch indices) of one key, in unit order."""
+        lo, hi = np.searchsorted(self.sorted_keys, [key, key + 1])
+        units, batches = self.sorted_units[lo:hi], self.sorted_batches[lo:hi]
+        cuts = np.flatnonzero(np.diff(units)) + 1
+        return [
+            (int(u[0]), b.tolist()) for u, b in zip(np.split(units, cuts), np.split(batches, cuts)) if len(u)
+        ]
+
+
 def _dedup_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
     """Exact dedup of each key partition and, with near-duplicate removal on, the rule of each
     band-hash bucket: P + Q independent pieces (Q = P buckets), spread over the tasks alike."""
-    metas = _require(cfg, "split", [passes.split_paths(cfg.work, u) for u in range(len(plan.units))])
-    pieces: dict[int, list[tuple[str, list[int], int]]] = {}
-    bucket_pieces: dict[int, list[tuple[str, list[int]]]] = {}
-    for u, meta in enumerate(metas):
-        arrow = str(passes.split_paths(cfg.work, u)[0])
-        for part, batch_indices in meta["batches"].items():
-            pieces.setdefault(int(part), []).append((arrow, batch_indices, meta["source"]))
-        bands = str(passes.bands_path(cfg.work, u))
-        for bucket, batch_indices in meta.get("band_batches", {}).items():
-            bucket_pieces.setdefault(int(bucket), []).append((bands, batch_indices))
+    split = [passes.split_paths(cfg.work, u) for u in range(len(plan.units))]
+    _require(cfg, "split", split, read=False)
+    pieces, bucket_pieces, sources = _Pieces(), _Pieces(), []
+    for u, (_, json_path) in enumerate(split):  # one unit's map at a time: memory stays compact
+        meta = passes.read_json(json_path)
+        sources.append(meta["source"])
+        pieces.add(u, meta["batches"])
+        bucket_pieces.add(u, meta.get("band_batches", {}))
+    pieces.freeze()
+    bucket_pieces.freeze()
     num_buckets = plan.num_partitions if cfg.near_duplicates else 0
     mine = _mine(cfg, plan.num_partitions + num_buckets)
     parts = [p for p in mine if p < plan.num_partitions]
@@ -338,13 +371,20 @@ def _dedup_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
     todo = [p for p in parts if not passes.is_done(*passes.dedup_paths(cfg.work, p))]
     todo_buckets = [q for q in buckets if not passes.is_done(*passes.bucket_paths(cfg.work, q))]
     _log_skipped("dedup", "partitions and buckets", len(mine), len(todo) + len(todo_buckets))
-    jobs = [(passes.dedup_partition, (cfg.work, p, pieces.get(p, []), cfg.seed)) for p in todo]
-    jobs += [
-        (passes.near_dup_bucket, (cfg.work, q, bucket_pieces.get(q, []), plan.num_partitions))
-        for q in todo_buckets
-    ]
+
+    def partition_pieces(p: int) -> list[tuple[str, list[int], int]]:
+        return [(str(split[u][0]), batches, sources[u]) for u, batches in pieces.of(p)]
+
+    def bucket_args(q: int) -> list[tuple[str, list[int]]]:
+        return [(str(passes.bands_path(cfg.work, u)), batches) for u, batches in bucket_pieces.of(q)]
+
+    # generators: each job's piece list is built when the job is handed out, not all of them up front
+    jobs = itertools.chain(
+        ((passes.dedup_partition, (cfg.work, p, partition_pieces(p), cfg.seed)) for p in todo),
+        ((passes.near_dup_bucket, (cfg.work, q, bucket_args(q), plan.num_partitions)) for q in todo_buckets),
+    )
     with tqdm(desc="dedup", unit="row", unit_scale=True, dynamic_ncols=True, mininterval=1.0) as bar:
-        for _ in executor.run(jobs, bar.update):
+        for _ in executor.run(jobs, bar.update, len(todo) + len(todo_buckets)):
             pass
 
 
@@ -521,15 +561,18 @@ def summed_counts(
     }
 
 
-def _require(cfg: Config, phase: str, pieces: list[tuple[Path, Path]]) -> list[dict[str, Any]]:
-    """The ``.json`` of every (data file, json) piece of a phase, or an error naming what is missing."""
+def _require(
+    cfg: Config, phase: str, pieces: list[tuple[Path, Path]], read: bool = True
+) -> list[dict[str, Any]]:
+    """The ``.json`` of every (data file, json) piece of a phase (``read=False``: only check that they
+    are there), or an error naming what is missing."""
     missing = [j for d, j in pieces if not passes.is_done(d, j)]
     if missing:
         raise InputError(
             f"phase {phase} is not finished in {cfg.work} ({len(missing)} of {len(pieces)} pieces missing, "
             f"e.g. {missing[0].name}); run --phase {phase} (every task) first"
         )
-    return [passes.read_json(j) for _, j in pieces]
+    return [passes.read_json(j) for _, j in pieces] if read else []
 
 
 def _log_skipped(phase: str, what: str, mine: int, todo: int) -> None:
@@ -592,15 +635,25 @@ class _Executor:
         self.pool = ctx.Pool(self.workers, initializer=_init_worker, initargs=(self.counter,))
 
     def run(
-        self, jobs: list[tuple[Callable[..., Any], tuple]], progress: Callable[[int], Any]
+        self,
+        jobs: Iterable[tuple[Callable[..., Any], tuple]],
+        progress: Callable[[int], Any],
+        count: int = -1,
     ) -> Iterator[Any]:
-        if self.pool is None and (self.workers == 1 or len(jobs) <= 1):
+        """Results of ``jobs`` (``count`` of them, if ``jobs`` is an iterator). At most two jobs per
+        worker are handed to the pool at a time, so a generator's arguments are built as they are needed."""
+        if count < 0:
+            jobs = list(jobs)
+            count = len(jobs)
+        jobs = iter(jobs)
+        if self.pool is None and (self.workers == 1 or count <= 1):
             for fn, args in jobs:
                 yield fn(*args, progress=progress)
             return
         if self.pool is None:
             self._start_pool()
-        pending = [self.pool.apply_async(_call, job) for job in jobs]
+        ahead = 2 * self.workers
+        pending = [self.pool.apply_async(_call, job) for job in itertools.islice(jobs, ahead)]
         seen = self.counter.value
         while pending:
             done = [r for r in pending if r.ready()]
@@ -608,6 +661,7 @@ class _Executor:
             value = self.counter.value
             progress(value - seen)
             seen = value
+            pending += [self.pool.apply_async(_call, job) for job in itertools.islice(jobs, len(done))]
             for result in done:
                 yield result.get()
             if not done:
