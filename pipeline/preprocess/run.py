@@ -459,7 +459,12 @@ def _piece_drops(
 
 
 def _finalize(cfg: Config, plan: Plan, elapsed: float) -> None:
-    units = _require(cfg, "split", [passes.split_paths(cfg.work, u) for u in range(len(plan.units))])
+    split = [passes.split_paths(cfg.work, u) for u in range(len(plan.units))]
+    _require(cfg, "split", split, read=False)
+    units = []
+    for _, json_path in split:  # keep what the manifest needs, not each unit's map of partitions
+        meta = passes.read_json(json_path)
+        units.append({key: meta[key] for key in ("counts", "audit", "examples") if key in meta})
     parts = _require(cfg, "dedup", [passes.dedup_paths(cfg.work, p) for p in range(plan.num_partitions)])
     drops = _near_dup_drops(cfg, plan)
     num_shards = len(_shard_ranges(cfg, plan, drops))
