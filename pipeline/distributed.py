@@ -27,6 +27,7 @@ __all__ = [
     "is_dist",
     "is_main_process",
     "rank",
+    "shutdown",
     "world_size",
 ]
 
@@ -47,6 +48,18 @@ def rank() -> int:
 def is_main_process() -> bool:
     """Rank 0: the only rank that logs, writes checkpoints or prints progress bars."""
     return rank() == 0
+
+
+def shutdown() -> None:
+    """Destroy the process group, if any (every rank, on every way out: a normal end, a preemption exit).
+
+    A process that exits with a gloo group still alive aborts in the group's destructor ("terminate
+    called without an active exception", SIGABRT): the job's status becomes 134 instead of the exit code
+    the run chose, and a scheduler script that requeues on 75 (launch/slurm/pretrain.sbatch) would see
+    a crash. Not a collective a rank can wait in; idempotent.
+    """
+    if is_dist():
+        dist.destroy_process_group()
 
 
 def barrier() -> None:

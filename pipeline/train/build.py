@@ -125,6 +125,7 @@ class Trainer:
         self.metrics.close()
         if self.preemption is not None:
             self.preemption.uninstall()
+        dist.shutdown()  # else gloo aborts at exit (status 134) and hides the run's exit code
 
 
 # ------------------------------------------------------------------------------------------ pieces
