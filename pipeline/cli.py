@@ -42,6 +42,9 @@ COMMANDS: dict[str, Command] = {
     "synonyms": Command("pipeline.augment.vector_synonyms", "word vectors -> faiss synonym cache (Parquet)"),
     "train": Command("pipeline.train.run", "contrastive pretraining (same as launch/pretrain.py)"),
     "eval": Command("pipeline.evaluate.run", "evaluate a model or checkpoint on the STS suite", "model"),
+    "finetune": Command(
+        "pipeline.finetune.run", "fine-tuning evaluation: TrainBERT / FreezeBERT, 3 seeds", "model"
+    ),
     "report": Command("pipeline.evaluate.report", "plots and a Markdown page for a run directory", "run_dir"),
     "export": Command(
         "pipeline.export", "checkpoint -> sentence-transformers folder, Hub push", "checkpoint"
