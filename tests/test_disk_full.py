@@ -232,3 +232,37 @@ def test_a_disk_full_error_is_recognised_down_the_exception_chain():
     except RuntimeError as exc:
         chained = exc
     assert is_disk_full(chained) and not is_disk_full(RuntimeError("unexpected pos 1 vs 2"))
+
+
+@pytest.mark.parametrize("tensorboard", [False, True])
+def test_metrics_on_a_full_disk_are_held_back_whole_and_written_when_space_returns(
+    small_disk, caplog, tensorboard
+):
+    """Logging never stops training: on ENOSPC the records wait in memory, the file keeps only whole
+    lines, one warning names the directory; once space is freed every record lands, in order."""
+    import logging
+
+    from pipeline.train.metrics import MetricsLogger
+
+    run_dir = small_disk / "run"
+    run_dir.mkdir()
+    metrics = MetricsLogger(run_dir, enabled=True, tensorboard=tensorboard)
+    metrics.log({"event": "train", "step": 1, "loss": 1.0}, step=1)
+    fill(small_disk, leave=0)
+    filler = next(small_disk.glob("filler-*"))
+    padding = "x" * 6000  # larger than any leftover fragment of a block: a write cannot fit
+    with caplog.at_level(logging.WARNING, logger="pipeline.train.metrics"):
+        for step in (2, 3, 4):
+            metrics.log({"event": "train", "step": step, "loss": 1.0 / step, "note": padding}, step=step)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings and all(str(run_dir) in w and "disk full" in w for w in warnings)
+    assert len([w for w in warnings if "metrics.jsonl" in w]) == 1
+    on_disk = metrics.path.read_text(encoding="utf-8")
+    assert on_disk.endswith("\n") and [json.loads(x)["step"] for x in on_disk.splitlines()] == [1]
+    assert len(metrics.pending) == 3
+
+    filler.unlink()
+    metrics.log({"event": "train", "step": 5, "loss": 0.2}, step=5)
+    metrics.close()
+    steps = [json.loads(x)["step"] for x in metrics.path.read_text(encoding="utf-8").splitlines()]
+    assert steps == [1, 2, 3, 4, 5] and not metrics.pending
