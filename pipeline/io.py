@@ -39,6 +39,7 @@ __all__ = [
     "fsync_dir",
     "fsync_file",
     "format_size",
+    "needed_phrase",
     "fsync_tree",
     "is_disk_full",
     "read_json",
@@ -89,6 +90,14 @@ def disk_full_error(exc: BaseException, directory: str | Path | None) -> DiskFul
 def format_size(size: int) -> str:
     """Bytes for a message: KiB below a MiB (so that a small shard is not "0.0 MiB"), else MiB."""
     return f"{size / 1024:.0f} KiB" if size < 1 << 20 else f"{size / 2**20:.1f} MiB"
+
+
+def needed_phrase(expected: int, written: int) -> str:
+    """How much a write that failed after ``written`` bytes needs: the estimate when it is larger, else
+    "more than" what was written (the write was not finished: its size is not known)."""
+    if expected > written:
+        return f"about {format_size(expected)} needed"
+    return f"more than {format_size(written)} needed"
 
 
 def check_free_space(directory: str | Path, needed: int, what: str) -> None:
@@ -178,8 +187,8 @@ def atomic_write(path: str | Path, write: Callable[[Path], None], durable: bool 
         partial = tmp.stat().st_size if tmp.exists() else 0
         raise DiskFullError(
             f"disk full in {path.parent} while writing {path.name} ({format_size(partial)} written, the "
-            f"partial file removed; about {format_size(max(expected, partial))} needed): free space there "
-            "(or write elsewhere) and rerun"
+            f"partial file removed; {needed_phrase(expected, partial)}): free space there (or write "
+            "elsewhere) and rerun"
         ) from None
     finally:
         tmp.unlink(missing_ok=True)
