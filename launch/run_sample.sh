@@ -51,7 +51,7 @@ fi
 stage "teacher embeddings (bf16 autocast on CPU)"
 if [ ! -f "$OUT/teacher/manifest.json" ]; then
   "$PY" -m pipeline teacher --shards "$OUT/augmented" --out "$OUT/teacher" --model "$MODEL" --bf16 \
-    --workers 1 --progress false
+    --workers 1
 fi
 
 stage "distillation"

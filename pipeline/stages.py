@@ -123,9 +123,9 @@ def process_shards(
     process for one worker (or one job), else a pool of ``workers`` spawned processes, each set up by
     ``initializer(*initargs, progress)`` (``progress``: a queue of sentence counts) and running
     ``run_in_worker(job)``. A worker's error is re-raised here and the queued shards are not started."""
-    from tqdm import tqdm
+    from pipeline import progress
 
-    bar = tqdm(total=total, unit="sent", unit_scale=True, disable=not show_progress, desc=desc)
+    bar = progress.bar(total=total, unit="sent", unit_scale=True, disable=not show_progress, desc=desc)
     try:
         if workers == 1 or len(jobs) == 1:
             run_here(jobs, bar.update)

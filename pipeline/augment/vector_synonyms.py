@@ -389,7 +389,7 @@ def read_cache_metadata(path: str | Path) -> dict[str, Any]:
 
 
 def run(cfg: Config) -> int:
-    from tqdm import tqdm
+    from pipeline import progress
 
     vectors = read_vectors(cfg)
     fingerprint = _fingerprint(cfg, vectors)
@@ -416,8 +416,11 @@ def run(cfg: Config) -> int:
     if todo:
         index, params = build_index(cfg, vectors.matrix, saved=parts / "index.faiss")
         atomic_write_json(parts / "index.json", params)
-        bar = tqdm(
-            total=sum(min(cfg.chunk_size, n - s) for _, s in todo), unit="word", disable=not cfg.progress
+        bar = progress.bar(
+            desc="synonyms",
+            total=sum(min(cfg.chunk_size, n - s) for _, s in todo),
+            unit="word",
+            disable=not cfg.progress,
         )
         for i, start in todo:
             stop = min(start + cfg.chunk_size, n)

@@ -93,12 +93,14 @@ def bert_config(f: E5S1File) -> dict[str, Any]:
 
 def state_dict(f: E5S1File, progress: bool = False) -> dict[str, np.ndarray]:
     """Every tensor as fp32 under its BertModel name, plus the identity pooler."""
-    from tqdm.auto import tqdm
+    from pipeline import progress as progress_bars
 
     names = list(f.expected_shapes())
     total = sum(f.tensors[n].numel for n in names)
     tensors: dict[str, np.ndarray] = {}
-    with tqdm(total=total, desc="dequantize", unit="w", unit_scale=True, disable=not progress) as bar:
+    with progress_bars.bar(
+        total=total, desc="dequantize", unit="w", unit_scale=True, disable=not progress
+    ) as bar:
         for name in names:
             tensors[hf_name(name)] = f.tensor(name)
             bar.update(f.tensors[name].numel)

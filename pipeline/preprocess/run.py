@@ -28,9 +28,9 @@ from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
-from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from pipeline import progress
 from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError, InputError
 from pipeline.preprocess import passes
@@ -48,7 +48,17 @@ InputFormat = Literal[
 
 # Options that say how to run, not what to produce: left out of the manifest (so it is identical for
 # any --workers/--num-tasks) and free to change when a stopped run is resumed.
-EXECUTION_KEYS = ("out", "work_dir", "workers", "task_index", "num_tasks", "phase", "overwrite", "strict")
+EXECUTION_KEYS = (
+    "out",
+    "work_dir",
+    "workers",
+    "task_index",
+    "num_tasks",
+    "phase",
+    "overwrite",
+    "strict",
+    "progress",
+)
 WORK_DIR_NAME = ".work"
 PARTITION_TARGET_BYTES = 16 << 20  # auto num_partitions: about this much input per partition
 
@@ -112,6 +122,9 @@ class Config:
     seed: int = option(0, "Seed of the global shuffle.")
     strict: bool = option(False, "Stop at the first bad record with its file:line instead of counting it.")
     overwrite: bool = option(False, "Delete a previous output in --out first.")
+    progress: bool = option(
+        True, "Show progress: a bar on a terminal, a line every 30 s in a log (PIPELINE_PROGRESS_SECONDS)."
+    )
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -296,6 +309,10 @@ def _mine(cfg: Config, count: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------------- phases
+def _bar(cfg: Config, desc: str, unit: str) -> Any:
+    return progress.bar(desc=desc, unit=unit, unit_scale=True, mininterval=1.0, disable=not cfg.progress)
+
+
 def _split_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
     filters = passes.Filters(
         fields=asdict(cfg.text_fields),
@@ -314,7 +331,7 @@ def _split_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
     todo = [u for u in mine if not passes.is_done(*passes.split_paths(cfg.work, u))]
     _log_skipped("split", "units", len(mine), len(todo))
     jobs = [(passes.split_unit, (cfg.work, u, plan.units[u], filters)) for u in todo]
-    with tqdm(desc="split", unit="sent", unit_scale=True, dynamic_ncols=True, mininterval=1.0) as bar:
+    with _bar(cfg, "split", "sent") as bar:
         for result in executor.run(jobs, bar.update):
             for example in result["examples"]:
                 log.warning("bad record %s", example)
@@ -383,7 +400,7 @@ def _dedup_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
         ((passes.dedup_partition, (cfg.work, p, partition_pieces(p), cfg.seed)) for p in todo),
         ((passes.near_dup_bucket, (cfg.work, q, bucket_args(q), plan.num_partitions)) for q in todo_buckets),
     )
-    with tqdm(desc="dedup", unit="row", unit_scale=True, dynamic_ncols=True, mininterval=1.0) as bar:
+    with _bar(cfg, "dedup", "row") as bar:
         for _ in executor.run(jobs, bar.update, len(todo) + len(todo_buckets)):
             pass
 
@@ -443,7 +460,7 @@ def _shards_phase(cfg: Config, plan: Plan, executor: _Executor) -> None:
         )
         for s in todo
     ]
-    with tqdm(desc="shards", unit="sent", unit_scale=True, dynamic_ncols=True, mininterval=1.0) as bar:
+    with _bar(cfg, "shards", "sent") as bar:
         for _ in executor.run(jobs, bar.update):
             pass
 

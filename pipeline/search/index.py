@@ -111,7 +111,7 @@ def load_encoder(
 
 
 def encode_chunks(encoder: Any, corpus: Corpus, store: ChunkStore, batch_size: int) -> None:
-    from tqdm.auto import tqdm
+    from pipeline import progress
 
     missing = store.missing()
     if len(missing) < store.num_chunks:
@@ -119,7 +119,7 @@ def encode_chunks(encoder: Any, corpus: Corpus, store: ChunkStore, batch_size: i
             "resuming: %d of %d chunks already encoded", store.num_chunks - len(missing), store.num_chunks
         )
     todo = sum(store.bounds(i)[1] - store.bounds(i)[0] for i in missing)
-    with tqdm(total=todo, desc="encode", unit="sent") as bar:
+    with progress.bar(total=todo, desc="encode", unit="sent") as bar:
         for i in missing:
             start, end = store.bounds(i)
             store.write(i, encoder.encode(corpus.texts[start:end], batch_size=batch_size))

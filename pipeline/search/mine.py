@@ -107,10 +107,10 @@ def mine_negatives(
     search_batch: int = 1024,
 ) -> list[tuple[str, str, str]]:
     """Triples (anchor, positive, negative), ``num_negatives`` per pair where enough candidates remain."""
-    from tqdm.auto import tqdm
+    from pipeline import progress
 
     triples: list[tuple[str, str, str]] = []
-    for start in tqdm(range(0, len(pairs), search_batch), desc="mine", unit="batch"):
+    for start in progress.bar(iterable=range(0, len(pairs), search_batch), desc="mine", unit="batch"):
         batch = pairs[start : start + search_batch]
         anchors = index.embed([a for a, _ in batch], batch_size)  # (B, d)
         positives = index.embed([p for _, p in batch], batch_size)  # (B, d)

@@ -165,7 +165,7 @@ def mine_shards(
     Returns the output manifest entries and the summed counts. A shard whose record exists (and whose
     file has the recorded size) is not redone.
     """
-    from tqdm import tqdm
+    from pipeline import progress as progress_bars
 
     pool = load_pool(shard_dir, entries)
     log.info("mining %d hard negatives per sentence among %d sentences (%s index, depth %d)",
@@ -173,7 +173,9 @@ def mine_shards(
     index = build_search_index(pool.vectors, params)
     out_entries, total = [], Counter({key: 0 for key in COUNT_KEYS})
     bounds = pool.starts + [len(pool.texts)]
-    bar = tqdm(total=len(pool.texts), unit="sent", unit_scale=True, disable=not progress, desc="mine")
+    bar = progress_bars.bar(
+        total=len(pool.texts), unit="sent", unit_scale=True, disable=not progress, desc="mine"
+    )
     for position, entry in enumerate(entries):
         name, lo, hi = entry["name"], bounds[position], bounds[position + 1]
         record = read_record(work_dir, out_dir, name)

@@ -389,8 +389,9 @@ class Checkpointer:
     def _disk_full_message(self, name: str, error: str, written: int) -> str:
         newest = self._find_latest(verify=False)
         previous = f"{newest.name} takes {format_size(self.newest_size())}" if newest else "none before"
+        needed = needed_phrase(self.newest_size(), written)
         return (
-            f"disk full in {self.dir} while writing checkpoint {name} ({needed_phrase(self.newest_size(), written)}: "
+            f"disk full in {self.dir} while writing checkpoint {name} ({needed}: "
             f"{format_size(written)} were written, {previous}; {error}). The partial checkpoint was removed "
             "and the previous ones are intact: free space and rerun the same command to resume"
         )

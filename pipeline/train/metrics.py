@@ -52,7 +52,11 @@ class MetricsLogger:
         if self.writer is not None and step is not None:
             try:
                 for key, value in record.items():
-                    if key not in ("step", "event") and isinstance(value, (int, float)) and math.isfinite(value):
+                    if (
+                        key not in ("step", "event")
+                        and isinstance(value, (int, float))
+                        and math.isfinite(value)
+                    ):
                         self.writer.add_scalar(f"{record.get('event', 'train')}/{key}", value, step)
             except Exception as exc:  # the writer thread's error surfaces here
                 self._drop_tensorboard(exc)
@@ -87,7 +91,10 @@ class MetricsLogger:
     def _drop_tensorboard(self, exc: BaseException) -> None:
         if not is_disk_full(exc):
             raise exc
-        log.warning("disk full in %s: tensorboard mirroring stopped (metrics.jsonl has every record)", self.path.parent)
+        log.warning(
+            "disk full in %s: tensorboard mirroring stopped (metrics.jsonl has every record)",
+            self.path.parent,
+        )
         writer, self.writer = self.writer, None
         try:
             writer.close()
