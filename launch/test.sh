@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # The test command (README): lint, then the whole test suite. Run `bash launch/setup.sh` first.
+# The 5 SLURM tests need a local one-node cluster: started here when this machine allows it (root, or
+# slurm-wlm and munge already installed); otherwise they skip with the reason (under CI=true they fail).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! bash launch/slurm/local_cluster.sh start >/tmp/local_cluster.log 2>&1; then
+  echo "test.sh: no local SLURM cluster ($(tail -n 1 /tmp/local_cluster.log)); the SLURM tests will skip" >&2
+fi
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
 .venv/bin/ruff check pipeline launch tests benchmarks
 .venv/bin/python -m pytest -q "$@"
