@@ -11,6 +11,10 @@ Writes a standard sentence-transformers folder that ``SentenceTransformer(DIR)``
     DIR/N_Normalize/                  L2 normalisation (cosine = dot product)
     DIR/README.md                     model card: YAML metadata, training recipe, evaluation table
 
+``--whitening [--whitening-dim k]`` fits BERT-whitening on bundled corpus sentences (never on a
+scored set) and writes it as stock modules: ``Pooling -> Normalize -> Dense (identity activation,
+weight W^T, bias -mu W) -> Normalize``, so ``SentenceTransformer(DIR).encode`` returns whitened vectors.
+
 ``first_last_avg`` (mean of the first and last layer's mean-pooled states) is exact in stock modules:
 a ``WeightedLayerPooling`` over layers 1..L with weights (1, 0, ..., 0, 1) averages the two layers per
 token, and mean pooling is linear, so mean-then-average equals average-then-mean.
@@ -73,6 +77,12 @@ class Config:
     prefix: str | None = option(
         None, "Override the text prefix put before every sentence (empty = the folder's rule)."
     )
+    whitening: bool = option(
+        False, "Fit BERT-whitening on bundled corpus sentences and export it as a Dense module."
+    )
+    whitening_dim: int | None = option(None, "Keep this many whitened dimensions (empty = all).")
+    whitening_sentences: int = option(10000, "How many corpus sentences to fit the whitening on.")
+    seed: int = option(0, "Seed of the corpus sample for whitening (and of the calibration split).")
 
     def __post_init__(self) -> None:
         if not self.checkpoint:
@@ -81,6 +91,10 @@ class Config:
             raise ConfigError("--out DIR is required: the folder to write the sentence-transformers model to")
         if self.push_to_hub is not None:
             check_repo_id(self.push_to_hub)
+        if self.whitening_dim is not None and self.whitening_dim < 1:
+            raise ConfigError("--whitening-dim must be >= 1 (or empty for all dimensions)")
+        if self.whitening_sentences < 2:
+            raise ConfigError("--whitening-sentences must be >= 2")
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -101,8 +115,13 @@ def check_repo_id(repo_id: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ the folder
-def module_list(pooling: str, dim: int, num_layers: int) -> tuple[list[dict[str, Any]], dict[str, dict]]:
-    """modules.json entries and the config of each module folder for our pooling rule."""
+def module_list(
+    pooling: str, dim: int, num_layers: int, dense: dict[str, Any] | None = None
+) -> tuple[list[dict[str, Any]], dict[str, dict]]:
+    """modules.json entries and the config of each module folder for our pooling rule.
+
+    ``dense`` (a Dense module's config) goes between two Normalize modules, as :func:`dense_config`.
+    """
     modules: list[dict[str, Any]] = []
     configs: dict[str, dict[str, Any]] = {}
 
@@ -132,8 +151,26 @@ def module_list(pooling: str, dim: int, num_layers: int) -> tuple[list[dict[str,
         "pooling_mode_lasttoken": False,
         "include_prompt": True,
     }
+    if dense is not None:
+        if dense.pop("normalize_before", True):
+            configs[add("Normalize")] = {}
+        configs[add("Dense")] = dense
     configs[add("Normalize")] = {}
     return modules, configs
+
+
+def dense_config(encoder: Any) -> dict[str, Any] | None:
+    """The sentence-transformers Dense config (its 6.x field names) of ``encoder.dense``, or None."""
+    if encoder.dense is None:
+        return None
+    activation = {"identity": "torch.nn.modules.linear.Identity", "tanh": "torch.nn.modules.activation.Tanh"}
+    return {
+        "in_features": int(encoder.dense.in_features),
+        "out_features": int(encoder.dense.out_features),
+        "bias": encoder.dense.bias is not None,
+        "activation_function": activation[encoder.dense_activation],
+        "normalize_before": encoder.normalize_before_dense,  # popped by module_list, not written
+    }
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -159,8 +196,19 @@ def write_sentence_transformers_folder(encoder: Any, out: Path) -> None:
         tokenizer.model_max_length = tokenizer_max
     _add_identity_pooler(backbone, out)
     prompts = {"query": encoder.prefix} if encoder.prefix else {}
-    dim, max_length, default_prompt = encoder.dim, encoder.max_length, "query" if prompts else None
-    write_module_files(out, encoder.pooling, dim, num_layers, max_length, prompts, default_prompt)
+    hidden, max_length = int(backbone.config.hidden_size), encoder.max_length
+    default_prompt = "query" if prompts else None
+    write_module_files(
+        out, encoder.pooling, hidden, num_layers, max_length, prompts, default_prompt, dense_config(encoder)
+    )
+    if encoder.dense is not None:
+        from safetensors.torch import save_file
+
+        dense_dir = next(out.glob("*_Dense"))
+        tensors = {"linear.weight": encoder.dense.weight.detach().contiguous()}
+        if encoder.dense.bias is not None:
+            tensors["linear.bias"] = encoder.dense.bias.detach().contiguous()
+        save_file(tensors, str(dense_dir / "model.safetensors"))
 
 
 def write_module_files(
@@ -171,6 +219,7 @@ def write_module_files(
     max_length: int,
     prompts: dict[str, str] | None = None,
     default_prompt_name: str | None = None,
+    dense: dict[str, Any] | None = None,
 ) -> None:
     """The sentence-transformers files around the transformer in ``out`` (also used by ``models fetch``).
 
@@ -182,7 +231,7 @@ def write_module_files(
 
     import pipeline
 
-    modules, configs = module_list(pooling, dim, num_layers)
+    modules, configs = module_list(pooling, dim, num_layers, dict(dense) if dense else None)
     _write_json(out / "modules.json", modules)
     for folder, config in configs.items():
         _write_json(out / folder / "config.json", config)
@@ -245,7 +294,7 @@ def verify_folder(encoder: Any, out: Path, atol: float = 1e-5) -> float:
     batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
     with torch.no_grad():
         states = model(**batch, output_hidden_states=True).hidden_states
-        loaded = torch.nn.functional.normalize(pool(states, batch["attention_mask"], encoder.pooling), dim=-1)
+        loaded = encoder.head(pool(states, batch["attention_mask"], encoder.pooling))
     ours = encoder.encode(VERIFY_SENTENCES)
     error = float(np.abs(loaded.numpy() - ours).max())
     if error > atol:
@@ -253,6 +302,29 @@ def verify_folder(encoder: Any, out: Path, atol: float = 1e-5) -> float:
             f"exported folder {out} does not reproduce the encoder (max |diff| {error:.2e} > {atol})"
         )
     return error
+
+
+def add_whitening(encoder: Any, cfg: Config) -> dict[str, Any]:
+    """Fit BERT-whitening on a seeded sample of bundled corpus sentences; set it as ``encoder.dense``.
+
+    Fitted on the encoder's normalised output, as ``eval --whitening`` does, so the exported head is
+    Normalize -> Dense -> Normalize. Never fitted on evaluation sentences: the scored sets stay unseen.
+    """
+    from pipeline.evaluate.run import corpus_sentences
+    from pipeline.evaluate.whitening import as_linear, fit_whitening
+
+    if encoder.dense is not None:
+        raise InputError("the model already ends in a Dense module; export --whitening needs one without")
+    sentences = corpus_sentences(cfg.whitening_sentences, cfg.seed)
+    vectors = encoder.encode(sentences, progress=True, desc="whitening")  # (N, H)
+    dim = None if cfg.whitening_dim is None else min(cfg.whitening_dim, vectors.shape[1])
+    if len(vectors) < vectors.shape[1]:
+        log.warning("whitening fitted on %d sentences for %d dimensions: the covariance is rank-deficient",
+                    len(vectors), vectors.shape[1])  # fmt: skip
+    encoder.dense = as_linear(fit_whitening(vectors, dim)).to(next(encoder.parameters()).dtype)
+    encoder.dense_activation, encoder.normalize_before_dense = "identity", True
+    return {"source": "bundled People's Daily corpus (1998-01)", "sentences": len(sentences),
+            "dim": encoder.dim, "seed": cfg.seed}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ model card
@@ -366,6 +438,7 @@ def model_card(
     result: dict[str, Any] | None,
     license: str,
     repo_id: str | None,
+    whitening: dict[str, Any] | None = None,
 ) -> str:
     from pipeline.evaluate.resolve import describe
     from pipeline.evaluate.tables import markdown_table, result_markdown
@@ -398,6 +471,16 @@ def model_card(
                 "`SentenceTransformer.encode` applies by itself; with plain `transformers`, prepend it).\n"
             ]
             if encoder.prefix
+            else []
+        ),
+        *(
+            [
+                f"The embeddings are BERT-whitened (Su et al. 2021) to {whitening['dim']} dimensions: the "
+                f"`Dense` module maps the normalised pooled vector x to (x - mu) W, fitted on "
+                f"{whitening['sentences']} sentences of the {whitening['source']} (no evaluation sentence), "
+                "then `Normalize`. The evaluation table below is of the model before whitening.\n"
+            ]
+            if whitening
             else []
         ),
         "## Usage\n",
@@ -496,12 +579,15 @@ def run(cfg: Config) -> int:
     resolved = resolve.resolve(cfg.checkpoint, cfg.select, cfg.skeleton)
     result = find_eval_json(resolved, cfg.eval_json)
     encoder = resolve.load_encoder(resolved, pooling=cfg.pooling, prefix=cfg.prefix)
+    whitening = add_whitening(encoder, cfg) if cfg.whitening else None
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         write_sentence_transformers_folder(encoder, tmp)
-        card = model_card(encoder, resolved, find_config_yaml(resolved), result, cfg.license, cfg.push_to_hub)
+        card = model_card(
+            encoder, resolved, find_config_yaml(resolved), result, cfg.license, cfg.push_to_hub, whitening
+        )
         (tmp / "README.md").write_text(card, encoding="utf-8")
         if cfg.verify:
             error = verify_folder(encoder, tmp)
@@ -511,7 +597,10 @@ def run(cfg: Config) -> int:
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"wrote sentence-transformers folder {out} ({encoder.pooling} pooling, dim {encoder.dim})")
+    whitened = ", whitened" if whitening else ""
+    print(
+        f"wrote sentence-transformers folder {out} ({encoder.pooling} pooling{whitened}, dim {encoder.dim})"
+    )
     if cfg.push_to_hub:
         url = push_folder(out, cfg.push_to_hub, token, cfg.private)
         print(f"pushed {out} to {url}")

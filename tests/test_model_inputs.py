@@ -269,15 +269,15 @@ def test_a_folder_without_a_pooling_rule_is_a_clear_error(plain_folder, xlmr_fol
 
 
 def test_unsupported_sentence_transformers_modules_are_refused(exported, tmp_path):
-    dense = tmp_path / "dense"
-    shutil.copytree(exported, dense)
-    modules = json.loads((dense / "modules.json").read_text())
+    lstm = tmp_path / "lstm"  # (a Dense is supported: tests/test_export_whitening.py)
+    shutil.copytree(exported, lstm)
+    modules = json.loads((lstm / "modules.json").read_text())
     modules.insert(
-        -1, {"idx": 9, "name": "9", "path": "9_Dense", "type": "sentence_transformers.models.Dense"}
+        -1, {"idx": 9, "name": "9", "path": "9_LSTM", "type": "sentence_transformers.models.LSTM"}
     )
-    (dense / "modules.json").write_text(json.dumps(modules))
-    with pytest.raises(InputError, match="module Dense is not supported"):
-        SentenceEncoder.from_pretrained(dense)
+    (lstm / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(InputError, match="module LSTM is not supported"):
+        SentenceEncoder.from_pretrained(lstm)
 
     maxpool = tmp_path / "max"
     shutil.copytree(exported, maxpool)

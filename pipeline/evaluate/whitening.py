@@ -51,3 +51,20 @@ def fit_whitening(x: np.ndarray, dim: int | None = None, eps: float = 1e-8) -> W
     u, s, _ = np.linalg.svd(cov)
     matrix = u[:, :dim] / np.sqrt(s[:dim] + eps)
     return Whitening(mean=mean.astype(np.float32), matrix=matrix.astype(np.float32))
+
+
+def as_linear(whitening: Whitening):
+    """The whitening as an ``nn.Linear`` (a sentence-transformers Dense): ``x W - mu W`` = ``(x - mu) W``.
+
+    The layer's weight is ``W.T`` (dim, H), as torch stores (out, in), and its bias ``-mu W`` (dim,).
+    """
+    import torch
+    from torch import nn
+
+    matrix = torch.from_numpy(np.asarray(whitening.matrix, dtype=np.float64))  # (H, dim)
+    mean = torch.from_numpy(np.asarray(whitening.mean, dtype=np.float64))  # (H,)
+    layer = nn.Linear(matrix.shape[0], matrix.shape[1])
+    with torch.no_grad():
+        layer.weight.copy_(matrix.T)
+        layer.bias.copy_(-(mean @ matrix))
+    return layer

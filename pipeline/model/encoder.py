@@ -5,6 +5,11 @@ tokenizer files) plus ``encoder.json`` with the pooling rule, maximum length and
 ``"query: "`` before every text), so that any ``from_pretrained`` name or local folder (``hfl/rbt3``,
 one of our checkpoints' ``model/`` folders, a sentence-transformers folder: see
 :mod:`pipeline.model.rules`) loads the same way.
+
+An encoder may end in a linear ``dense`` map after pooling (a sentence-transformers ``Dense`` module,
+e.g. the BERT-whitening ``export --whitening`` writes): pooled -> [L2-normalise] -> dense -> L2-normalise.
+Such encoders come from sentence-transformers folders only; :meth:`SentenceEncoder.save_pretrained`
+refuses them (``python -m pipeline export`` writes them).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import ConfigError, InputError
-from pipeline.model.rules import ENCODER_FILE, POOLING_HELP, read_rule
+from pipeline.model.rules import ENCODER_FILE, POOLING_HELP, read_dense_weights, read_rule
 
 Pooling = Literal["cls", "mean", "first_last_avg"]
 POOLINGS: tuple[str, ...] = ("cls", "mean", "first_last_avg")
@@ -73,6 +78,9 @@ class SentenceEncoder(nn.Module):
         pooling: str = "cls",
         max_length: int = 64,
         prefix: str = "",
+        dense: nn.Linear | None = None,
+        dense_activation: Literal["identity", "tanh"] = "identity",
+        normalize_before_dense: bool = True,
     ):
         super().__init__()
         if pooling not in POOLINGS:
@@ -82,10 +90,25 @@ class SentenceEncoder(nn.Module):
         self.pooling = pooling
         self.max_length = max_length
         self.prefix = prefix
+        self.dense = dense
+        self.dense_activation = dense_activation
+        self.normalize_before_dense = normalize_before_dense
 
     @property
     def dim(self) -> int:
+        if self.dense is not None:
+            return int(self.dense.out_features)
         return int(self.backbone.config.hidden_size)
+
+    def head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Pooled (B, H) -> the sentence embedding (B, dim): [normalise -> dense ->] L2-normalise."""
+        if self.dense is not None:
+            if self.normalize_before_dense:
+                pooled = F.normalize(pooled, dim=-1)
+            pooled = self.dense(pooled.to(self.dense.weight.dtype))  # (B, dim)
+            if self.dense_activation == "tanh":
+                pooled = torch.tanh(pooled)
+        return F.normalize(pooled, dim=-1)
 
     def forward(
         self,
@@ -102,7 +125,7 @@ class SentenceEncoder(nn.Module):
             return_dict=True,
         )
         states = out.hidden_states if need_all else (out.last_hidden_state,)
-        return F.normalize(pool(states, attention_mask, self.pooling), dim=-1)  # (B, H)
+        return self.head(pool(states, attention_mask, self.pooling))  # (B, dim)
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         return self.tokenizer(
@@ -139,6 +162,11 @@ class SentenceEncoder(nn.Module):
 
     # ------------------------------------------------------------------------------------------ disk
     def save_pretrained(self, directory: str | Path) -> None:
+        if self.dense is not None:
+            raise ConfigError(
+                "this encoder ends in a Dense module, which encoder.json cannot hold; write it with "
+                "`python -m pipeline export` (a sentence-transformers folder)"
+            )
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.backbone.save_pretrained(directory, safe_serialization=True)
@@ -202,10 +230,35 @@ class SentenceEncoder(nn.Module):
                     backbone = AutoModel.from_pretrained(source, **where, **kwargs)
         except OSError as exc:
             raise InputError(f"cannot load model {name_or_dir!r}: {exc}".splitlines()[0]) from None
-        return cls(
+        encoder = cls(
             backbone,
             tokenizer,
             pooling=pooling or rule.pooling,
             max_length=max_length or rule.max_length or 64,
             prefix=(rule.prefix or "") if prefix is None else prefix,
+            **_dense_kwargs(name_or_dir, rule),
         )
+        hidden = int(backbone.config.hidden_size)
+        if encoder.dense is not None and encoder.dense.in_features != hidden:
+            raise InputError(
+                f"{name_or_dir}/{rule.dense_dir}: the Dense module takes {encoder.dense.in_features} "
+                f"features but the transformer gives {hidden}"
+            )
+        return encoder
+
+
+def _dense_kwargs(name_or_dir: str | Path, rule: Any) -> dict[str, Any]:
+    """The ``dense``/activation/normalise-first arguments for a folder whose modules end in a Dense."""
+    if not rule.dense_dir:
+        return {}
+    weight, bias = read_dense_weights(name_or_dir, rule)  # (out, in), (out,)
+    dense = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        dense.weight.copy_(weight)
+        if bias is not None:
+            dense.bias.copy_(bias)
+    return {
+        "dense": dense.to(weight.dtype),
+        "dense_activation": rule.dense_activation,
+        "normalize_before_dense": rule.normalize_before_dense,
+    }

@@ -4,7 +4,8 @@ Two folder layouts carry a rule (read in this order, the first one found wins):
 
 * ``encoder.json`` (ours): ``{"pooling", "max_length", "normalize", "prefix"}``;
 * a sentence-transformers folder: ``modules.json`` (Transformer -> [WeightedLayerPooling] -> Pooling ->
-  [Normalize]), the Pooling module's ``config.json`` (``pooling_mode_*`` flags or ``pooling_mode``),
+  [Normalize] -> [Dense] -> [Normalize]; a Dense is linear, identity or tanh activation, as the export's
+  whitening writes it), the Pooling module's ``config.json`` (``pooling_mode_*`` flags or ``pooling_mode``),
   ``sentence_bert_config.json`` (``max_seq_length``) and ``config_sentence_transformers.json``
   (``prompts[default_prompt_name]`` is the prefix ``SentenceTransformer.encode`` puts before each text).
 
@@ -28,7 +29,14 @@ ENCODER_FILE = "encoder.json"
 ST_MODULES = "modules.json"
 ST_BERT_CONFIG = "sentence_bert_config.json"
 ST_CONFIG = "config_sentence_transformers.json"
-SUPPORTED_MODULES = ("Transformer", "WeightedLayerPooling", "Pooling", "Normalize")
+SUPPORTED_MODULES = ("Transformer", "WeightedLayerPooling", "Pooling", "Normalize", "Dense")
+# What may follow the Pooling module: a Dense (a linear map such as whitening) with Normalize around it
+HEADS = ((), ("Normalize",), ("Dense",), ("Normalize", "Dense"), ("Dense", "Normalize"),
+         ("Normalize", "Dense", "Normalize"))  # fmt: skip
+DENSE_ACTIVATIONS = {
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.modules.activation.Tanh": "tanh",
+}
 POOLING_HELP = (
     "set the pooling explicitly: --model.pooling (train), --pooling (eval, index, export) or "
     "pooling= (Python), one of cls, mean, first_last_avg"
@@ -47,6 +55,9 @@ class ModelRule:
         ""  # sub-folder of the transformer (old sentence-transformers folders: 0_Transformer)
     )
     source: str = ""  # encoder.json, sentence-transformers, or "" (no rule)
+    dense_dir: str = ""  # sub-folder of a Dense module after pooling ("" = none)
+    dense_activation: str = "identity"  # identity or tanh
+    normalize_before_dense: bool = False  # a Normalize between Pooling and the Dense
 
 
 def _is_local(name_or_dir: str | Path) -> bool:
@@ -148,6 +159,13 @@ def _sentence_transformers_rule(name_or_dir: str | Path, modules_file: Path) -> 
         )
     if kinds[0] != "Transformer" or "Pooling" not in kinds:
         raise InputError(f"{modules_file}: expected Transformer first and a Pooling module; found {kinds}")
+    body, head = tuple(kinds[: kinds.index("Pooling")]), tuple(kinds[kinds.index("Pooling") + 1 :])
+    if body not in (("Transformer",), ("Transformer", "WeightedLayerPooling")) or head not in HEADS:
+        raise InputError(
+            f"{modules_file}: only Transformer -> [WeightedLayerPooling] -> Pooling, then [Normalize] -> "
+            f"[Dense] -> [Normalize] after Pooling is supported, found {' -> '.join(kinds)}; our encoder "
+            "cannot reproduce it: convert the model"
+        )
     by_kind = {k: m for k, m in zip(kinds, modules)}
     base = modules_file.parent
 
@@ -195,10 +213,59 @@ def _sentence_transformers_rule(name_or_dir: str | Path, modules_file: Path) -> 
         raise InputError(
             f"{folder}: include_prompt=false (prompt tokens left out of pooling) is not supported"
         )
-    normalize = "Normalize" in by_kind
+    dense_dir, activation = "", "identity"
+    if "Dense" in by_kind:
+        dense_folder, dense_config = module_config("Dense")
+        dense_dir, activation = (
+            str(by_kind["Dense"].get("path", "")),
+            _dense_activation(dense_config, dense_folder),
+        )
+    normalize = head[-1:] == ("Normalize",)
     if not normalize:
-        log.info("%s has no Normalize module; our encoder L2-normalises anyway (cosines are unchanged)", base)
-    return ModelRule(pooling, max_length, prefix, normalize, transformer_dir, "sentence-transformers")
+        log.info(
+            "%s has no final Normalize module; our encoder L2-normalises anyway (cosines are unchanged)", base
+        )
+    return ModelRule(
+        pooling, max_length, prefix, normalize, transformer_dir, "sentence-transformers",
+        dense_dir, activation, head[:2] == ("Normalize", "Dense"),
+    )  # fmt: skip
+
+
+def _dense_activation(config: dict[str, Any], folder: Path) -> str:
+    """``identity`` or ``tanh`` from a Dense config; anything we cannot reproduce is an InputError."""
+    name = config.get("activation_function", "torch.nn.modules.activation.Tanh")  # the Dense default
+    problem = None
+    if name not in DENSE_ACTIVATIONS:
+        problem = f"activation {name}"
+    elif config.get("use_residual"):
+        problem = "use_residual"
+    elif {config.get("module_input_name"), config.get("module_output_name")} - {None, "sentence_embedding"}:
+        problem = "a module_input_name/module_output_name other than sentence_embedding"
+    if problem:
+        raise InputError(
+            f"{folder}: Dense with {problem} is not supported (only a linear map with identity or tanh "
+            "activation); convert the model"
+        )
+    return DENSE_ACTIVATIONS[name]
+
+
+def read_dense_weights(name_or_dir: str | Path, rule: ModelRule) -> tuple[Any, Any]:
+    """The (out, in) weight and (out,) bias (or None) of the rule's Dense module, as torch tensors."""
+    path = _find(name_or_dir, f"{rule.dense_dir}/model.safetensors")
+    if path is not None:
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path))
+    else:
+        path = _find(name_or_dir, f"{rule.dense_dir}/pytorch_model.bin")
+        if path is None:
+            raise InputError(f"{name_or_dir}/{rule.dense_dir}: the Dense module has no weights file")
+        import torch
+
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    if "linear.weight" not in tensors:
+        raise InputError(f"{path}: no linear.weight in the Dense module's weights")
+    return tensors["linear.weight"], tensors.get("linear.bias")
 
 
 def read_rule(name_or_dir: str | Path) -> ModelRule:
