@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -113,19 +114,32 @@ def make_corpus(directory: Path, sentences: int) -> int:
 
 
 class PeakRSS:
-    """Polls a process tree; ``peak`` is the largest RSS any one process reached."""
+    """Polls a process tree; ``peak`` is the largest RSS any one process reached.
 
-    def __init__(self, pid: int, interval: float = 0.05):
-        self.root, self.interval, self.peak = psutil.Process(pid), interval, 0
+    ``kind(proc, tree)`` sorts the processes (tree: the root's descendants) into named classes, each
+    with its own peak in ``peaks`` (None: not counted); by default every process is one class, "any".
+    """
+
+    def __init__(self, pid: int, interval: float = 0.05, kind: Callable[..., str | None] | None = None):
+        self.root, self.interval = psutil.Process(pid), interval
+        self.kind = kind or (lambda proc, tree: "any")
+        self.peaks: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
 
+    @property
+    def peak(self) -> int:
+        return max(self.peaks.values(), default=0)
+
     def _poll(self) -> None:
         while not self._stop.is_set():
             try:
-                for proc in [self.root, *self.root.children(recursive=True)]:
-                    self.peak = max(self.peak, proc.memory_info().rss)
+                tree = self.root.children(recursive=True)
+                for proc in [self.root, *tree]:
+                    name = self.kind(proc, tree)
+                    if name is not None:
+                        self.peaks[name] = max(self.peaks.get(name, 0), proc.memory_info().rss)
             except psutil.Error:
                 pass
             time.sleep(self.interval)

@@ -430,45 +430,18 @@ def train_config(work: Path, shards: Path, model: Path, run_dir: Path) -> Path:
     return path
 
 
-class TreeRSS:
-    """Peak RSS of the ranks (processes running launch/pretrain.py that are not loader workers) and of
-    their loader workers (pretrain.py processes whose parent is a rank), polled."""
+def rank_or_worker(proc: psutil.Process, tree: list[psutil.Process]) -> str | None:
+    """A training rank (a launch/pretrain.py process that is not a loader worker), one of its loader
+    workers (a pretrain.py process whose parent is a rank), or neither (the launcher): PeakRSS classes."""
 
-    def __init__(self, pid: int, interval: float = 0.2):
-        import threading
+    def is_rank(p: psutil.Process) -> bool:
+        cmd = p.cmdline()
+        return "pretrain.py" in " ".join(cmd) and "accelerate" not in " ".join(cmd[:2])
 
-        self.root, self.interval = psutil.Process(pid), interval
-        self.rank = self.worker = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            try:
-                procs = self.root.children(recursive=True)
-                ranks = {
-                    p.pid
-                    for p in procs
-                    if "pretrain.py" in " ".join(p.cmdline())
-                    and "accelerate" not in " ".join(p.cmdline()[:2])
-                }
-                for p in procs:
-                    if p.pid not in ranks:
-                        continue
-                    rss = p.memory_info().rss
-                    if p.ppid() in ranks:
-                        self.worker = max(self.worker, rss)
-                    else:
-                        self.rank = max(self.rank, rss)
-            except psutil.Error:
-                pass
-            time.sleep(self.interval)
-
-    def stop(self) -> tuple[int, int]:
-        self._stop.set()
-        self._thread.join()
-        return self.rank, self.worker
+    if proc not in tree or not is_rank(proc):
+        return None
+    parent = next((p for p in tree if p.pid == proc.ppid()), None)
+    return "worker" if parent is not None and is_rank(parent) else "rank"
 
 
 def steps_logged(run_dir: Path) -> list[int]:
@@ -572,7 +545,7 @@ def part_train(n: int, work: Path, results: Results, teacher_max: int, keep: boo
     config = train_config(work, shards, model, run_dir)
     log = work / f"train-{label(n)}.log"
     proc = launch(config, log)
-    rss = TreeRSS(proc.pid)
+    rss = PeakRSS(proc.pid, interval=0.2, kind=rank_or_worker)
     first = wait_for(proc, lambda: bool(steps_logged(run_dir)), log, 600)
     results.add("train", n, "launch -> first step (cold page cache)", first, "s", "2 gloo processes")
     model_s, plan_s = logged_seconds(log, "model: "), logged_seconds(log, "data: ")
@@ -594,7 +567,8 @@ def part_train(n: int, work: Path, results: Results, teacher_max: int, keep: boo
         results.add("train", n, "  of which data planned on resume", plan_s, "s")
     time.sleep(3)  # a few steps with the loader workers running
     kill(proc)
-    rank_rss, worker_rss = rss.stop()
+    rss.stop()
+    rank_rss, worker_rss = rss.peaks.get("rank", 0), rss.peaks.get("worker", 0)
     results.add("train", n, "peak RSS per rank", rank_rss / 2**20, "MiB")
     results.add("train", n, "peak RSS per loader worker", worker_rss / 2**20, "MiB")
     shutil.rmtree(run_dir, ignore_errors=True)
