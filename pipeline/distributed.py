@@ -21,9 +21,12 @@ __all__ = [
     "all_gather_no_grad",
     "all_gather_with_grad",
     "all_reduce_mean",
+    "all_gather_object",
     "all_reduce_sum",
     "barrier",
+    "broadcast",
     "broadcast_object",
+    "collective_device",
     "is_dist",
     "is_main_process",
     "rank",
@@ -60,6 +63,13 @@ def shutdown() -> None:
     """
     if is_dist():
         dist.destroy_process_group()
+
+
+def collective_device() -> torch.device:
+    """Where a tensor for a collective must live: NCCL reduces only CUDA tensors, gloo only CPU ones."""
+    if is_dist() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def barrier() -> None:
@@ -139,3 +149,19 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Rank ``src``'s ``x`` on every rank, in place (collective); the identity without other ranks."""
+    if is_dist() and world_size() > 1:
+        dist.broadcast(x, src=src)
+    return x
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (collective), e.g. each rank's error or None."""
+    if not is_dist() or world_size() == 1:
+        return [obj]
+    objs: list[Any] = [None] * world_size()
+    dist.all_gather_object(objs, obj)
+    return objs

@@ -185,13 +185,7 @@ def _state_dicts(states: Mapping[str, Stateful]) -> dict[str, Any]:
 
 def _first_failure(failure: str | None) -> str | None:
     """The first rank's failure message, or None (collective: every rank learns whether any failed)."""
-    if not distributed.is_dist() or distributed.world_size() == 1:
-        return failure
-    import torch.distributed as torch_dist
-
-    failures: list[str | None] = [None] * distributed.world_size()
-    torch_dist.all_gather_object(failures, failure)
-    return next((f for f in failures if f is not None), None)
+    return next((f for f in distributed.all_gather_object(failure) if f is not None), None)
 
 
 def _read_pointer(path: Path) -> str | None:

@@ -23,7 +23,6 @@ from types import FrameType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from pipeline import distributed
 
@@ -36,13 +35,6 @@ log = logging.getLogger(__name__)
 # without saving anything, and not 124, which `timeout` uses.
 EXIT_CODE_PREEMPTED = 75
 DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
-
-
-def _collective_device() -> torch.device:
-    """NCCL reduces only CUDA tensors; gloo (CPU) only CPU ones."""
-    if distributed.is_dist() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class PreemptionHandler:
@@ -85,7 +77,7 @@ class PreemptionHandler:
         One all_reduce of one number: cheap, but a collective, so call it at the same step boundaries
         on all ranks (every step, or every N steps with the same N everywhere).
         """
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=_collective_device())
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=distributed.collective_device())
         stop = bool(distributed.all_reduce_sum(flag).item() > 0)  # host sync, once per check
         if stop and not self.requested:
             self.requested = True  # another rank was signalled; remember it here too
@@ -131,10 +123,8 @@ class CheckpointPolicy:
             now = time.monotonic() if now is None else now
             local = by_steps or (now - self.last_save) >= self.every_minutes * 60
             # rank 0's clock decides; the broadcast makes every rank take the same branch.
-            flag = torch.tensor([1 if local else 0], device=_collective_device())
-            if distributed.is_dist() and distributed.world_size() > 1:
-                dist.broadcast(flag, src=0)
-            decision = bool(flag.item())
+            flag = torch.tensor([1 if local else 0], device=distributed.collective_device())
+            decision = bool(distributed.broadcast(flag, src=0).item())
         else:
             decision = by_steps
         if decision:
