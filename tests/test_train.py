@@ -196,7 +196,9 @@ def test_gradcache_matches_the_plain_step(tmp_path, shards, dropout):
     t.optimizer.zero_grad(set_to_none=True)
 
     torch.manual_seed(7)
-    parts, cached = chunked_forward_backward(t, inputs, lambda rows: compute_objective(t, rows, batch))
+    parts, cached = chunked_forward_backward(
+        t.model, t.accelerator.backward, inputs, size, lambda rows: compute_objective(t, rows, batch)
+    )
     got = _grads(t.module)
     loss = parts["loss"]
     assert cached.shape == (len(inputs["input_ids"]), emb.shape[-1])

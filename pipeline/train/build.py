@@ -12,8 +12,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,16 +58,24 @@ class TrainState:
     samples_seen: int = 0
     best_metric: float | None = None
     best_step: int | None = None
+    # the non-finite guard and the spike detector (pipeline/train/guard.py), kept in every checkpoint
+    nonfinite_skipped: int = 0  # steps skipped in all
+    nonfinite_streak: int = 0  # steps skipped in a row
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)  # one record per spike rollback
+    spike: dict[str, Any] | None = None  # the spike detector's state (guard.spike_factor)
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # a checkpoint written before a field existed keeps that field's default
         self.__dict__.update(state)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Trainer:
+    """Every piece of a run, built once by :func:`build` (keyword arguments only)."""
+
     cfg: Config
     accelerator: Any
     module: TrainModule  # unwrapped
@@ -86,7 +93,6 @@ class Trainer:
     checkpointer: Checkpointer | None = None
     preemption: PreemptionHandler | None = None
     sts_valid: PairSet | None = None  # rank 0 only: the STS-B valid pairs scored by evaluate()
-    on_batch: Callable[[Trainer, dict[str, Any]], None] | None = None  # sees each batch before its step
 
     @property
     def encoder(self) -> SentenceEncoder:
@@ -360,12 +366,10 @@ def build_teacher_queue(cfg: Config, queue: nn.Module | None) -> nn.Module | Non
     return NegativeQueue(o.queue_size, o.teacher_dim or queue.dim)
 
 
-def build_checkpointing(cfg: Config, trainer: Trainer) -> None:
-    """The seam to checkpointing and preemption (pipeline/train/checkpoint.py, signals.py)."""
-    trainer.checkpointer = Checkpointer(cfg.run_dir, keep_last=cfg.checkpoint.keep_last)
-    if cfg.train.deepspeed_config:
-        trainer.checkpointer.engine = trainer.model  # ZeRO state: the engine's own checkpoint
-    trainer.preemption = PreemptionHandler().install()
+def build_checkpointer(cfg: Config, model: nn.Module) -> Checkpointer:
+    """The seam to checkpointing (pipeline/train/checkpoint.py); ``model`` is what ``prepare`` returned."""
+    engine = model if cfg.train.deepspeed_config else None  # ZeRO state: the engine's own checkpoint
+    return Checkpointer(cfg.run_dir, keep_last=cfg.checkpoint.keep_last, engine=engine)
 
 
 def resume(cfg: Config, trainer: Trainer) -> None:
@@ -436,8 +440,6 @@ def build(cfg: Config) -> Trainer:
     planned = time.perf_counter() - started
     total = cfg.train.max_steps or cfg.train.epochs * stream.batches_per_epoch
     optimizer = build_optimizer(cfg, module)
-    o = cfg.optim
-    schedule = LRSchedule(optimizer, o.lr, o.warmup_steps, total, o.schedule, o.min_lr_ratio)
     queue, momentum = build_queue(cfg, encoder)
     teacher_queue = build_teacher_queue(cfg, queue)
     for m in (queue, momentum, teacher_queue):
@@ -447,22 +449,6 @@ def build(cfg: Config) -> Trainer:
         for m in (module, momentum.encoder if momentum is not None else None):
             if m is not None:
                 autocast_bf16_on_cpu(m)
-    trainer = Trainer(
-        cfg,
-        accelerator,
-        module,
-        module,
-        optimizer,
-        schedule,
-        stream,
-        objective,
-        TrainState(),
-        metrics,
-        total,
-        queue,
-        momentum,
-        teacher_queue,
-    )
     log.info(
         "data: %d samples in %d blocks, %d global batches of %d per epoch, %d dropped per epoch; %d steps "
         "in all (planned in %.2f s)",
@@ -474,10 +460,30 @@ def build(cfg: Config) -> Trainer:
         total,
         planned,
     )
-    trainer.model, trainer.optimizer = accelerator.prepare(module, optimizer)
-    trainer.schedule.optimizer = trainer.optimizer
-    build_checkpointing(cfg, trainer)
-    resume(cfg, trainer)
+    model, optimizer = accelerator.prepare(module, optimizer)
+    o = cfg.optim
+    schedule = LRSchedule(optimizer, o.lr, o.warmup_steps, total, o.schedule, o.min_lr_ratio)
+    sts_valid = None
     if accelerator.is_main_process:
-        trainer.sts_valid = read_pair_file(EVAL_DIR / "STS-B.valid.tsv").first(cfg.train.eval_max_pairs)
+        sts_valid = read_pair_file(EVAL_DIR / "STS-B.valid.tsv").first(cfg.train.eval_max_pairs)
+    trainer = Trainer(
+        cfg=cfg,
+        accelerator=accelerator,
+        module=module,
+        model=model,
+        optimizer=optimizer,
+        schedule=schedule,
+        stream=stream,
+        objective=objective,
+        state=TrainState(),
+        metrics=metrics,
+        total_steps=total,
+        queue=queue,
+        momentum_encoder=momentum,
+        teacher_queue=teacher_queue,
+        checkpointer=build_checkpointer(cfg, model),
+        preemption=PreemptionHandler().install(),
+        sts_valid=sts_valid,
+    )
+    resume(cfg, trainer)
     return trainer

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any
 
 import torch
+from torch import nn
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -33,17 +33,22 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
 
 
 def chunked_forward_backward(
-    t: Any, inputs: dict[str, torch.Tensor], loss_fn: Callable[[torch.Tensor], dict[str, torch.Tensor]]
+    model: nn.Module,
+    backward: Callable[[torch.Tensor], None],
+    inputs: dict[str, torch.Tensor],
+    size: int,
+    loss_fn: Callable[[torch.Tensor], dict[str, torch.Tensor]],
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Loss and gradients of one batch encoded in chunks of ``train.gradcache_chunk_size`` rows.
+    """Loss and gradients of one batch encoded in chunks of ``size`` rows (train.gradcache_chunk_size).
 
+    ``model`` is what ``accelerator.prepare`` returned (under DDP its ``no_sync`` skips the all-reduce
+    of every chunk but the last); ``backward`` is ``accelerator.backward`` (fp16 loss scaling).
     ``loss_fn`` maps the encoded rows (N, H) to the objective's parts (``loss`` is the total), e.g.
     ``lambda rows: compute_objective(t, rows, batch)``; every row of the batch (views and hard
     negatives alike) is cached. Returns the detached parts and the detached (N, H) rows. Gradients end
     up in the model's parameters exactly as one full-batch forward/backward would put them (same
     dropout masks).
     """
-    acc, model, size = t.accelerator, t.model, t.cfg.train.gradcache_chunk_size
     device = inputs["input_ids"].device
     total = inputs["input_ids"].shape[0]
     chunks = [slice(i, min(i + size, total)) for i in range(0, total, size)]
@@ -55,11 +60,12 @@ def chunked_forward_backward(
     after = _rng_state(device)
     cached = torch.cat(outs).detach().requires_grad_()  # (N, H), a leaf: its .grad is the cache
     parts = loss_fn(cached)
-    acc.backward(parts["loss"])  # loss -> embeddings only (plus any collective inside the loss), fp16-scaled
+    backward(parts["loss"])  # loss -> embeddings only (plus any collective inside the loss), fp16-scaled
     for i, c in enumerate(chunks):
         _set_rng_state(states[i], device)
         # all-reduce gradients once, after the last chunk (DDP), not after every chunk
-        sync = nullcontext() if i == len(chunks) - 1 else acc.no_sync(model)
+        last = i == len(chunks) - 1
+        sync = nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             out = model(
                 input_ids=inputs["input_ids"][c], attention_mask=inputs["attention_mask"][c]

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +143,10 @@ def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, Any]:
         inputs = {k: mb[k].to(acc.device, non_blocking=True) for k in ("input_ids", "attention_mask")}
         with acc.accumulate(t.model):
             if cfg.train.gradcache_chunk_size:
-                part, rows = chunked_forward_backward(t, inputs, lambda rows: compute_objective(t, rows, mb))
+                part, rows = chunked_forward_backward(
+                    t.model, acc.backward, inputs, cfg.train.gradcache_chunk_size,
+                    lambda rows: compute_objective(t, rows, mb),
+                )  # fmt: skip
             elif t.module.mlm_head is not None:
                 part, rows = mlm_forward_backward(t, inputs, mb)
             else:
@@ -247,8 +251,11 @@ def save_checkpoint(t: Trainer, is_best: bool = False) -> None:
     )
 
 
-def train(t: Trainer) -> int:
-    """Run until ``total_steps``; returns an exit code (0, or the preemption code after a save)."""
+def train(t: Trainer, on_batch: Callable[[Trainer, dict[str, Any]], None] | None = None) -> int:
+    """Run until ``total_steps``; returns an exit code (0, or the preemption code after a save).
+
+    ``on_batch(trainer, batch)`` sees each batch before its step (tests record or poison batches with it).
+    """
     cfg, acc = t.cfg, t.accelerator
     t.model.train()
     bar = tqdm(total=t.total_steps, initial=t.state.step, desc="train", disable=not acc.is_main_process)
@@ -273,8 +280,8 @@ def train(t: Trainer) -> int:
                 policy.saved()
         while t.state.step < t.total_steps:
             batch = next(batches)
-            if t.on_batch is not None:
-                t.on_batch(t, batch)
+            if on_batch is not None:
+                on_batch(t, batch)
             out = train_step(t, batch)
             check = out.get("check")
             if check is not None and not check.finite:
@@ -315,15 +322,13 @@ def train(t: Trainer) -> int:
 
 # ------------------------------------------------------------------------------------------- guard
 def start_guard(t: Trainer) -> SpikeDetector | None:
-    """The guard's counters in the train state (so every checkpoint holds them), and the spike
-    detector with its saved history when ``guard.spike_factor`` is set."""
-    for key, value in (("nonfinite_skipped", 0), ("nonfinite_streak", 0), ("rollbacks", [])):
-        t.state.__dict__.setdefault(key, value)
+    """The spike detector with its saved history when ``guard.spike_factor`` is set (its state and the
+    guard's counters ride in the train state, so every checkpoint holds them)."""
     g = t.cfg.guard
     if not g.spike_factor or not guarded(t):
         return None
     spike = SpikeDetector(g.spike_factor, g.spike_steps, g.spike_history)
-    if getattr(t.state, "spike", None) is not None:
+    if t.state.spike is not None:
         spike.load_state_dict(t.state.spike)
     return spike
 
@@ -389,7 +394,7 @@ def roll_back(t: Trainer, spike: SpikeDetector) -> None:
     t.state.rollbacks = [*rollbacks, record]
     t.state.nonfinite_skipped, t.state.nonfinite_streak = skipped, streak
     t.stream.cursor.epoch, t.stream.cursor.batches = record["skipped_to"]
-    spike.load_state_dict(t.state.spike if getattr(t.state, "spike", None) else spike.state_dict())
+    spike.load_state_dict(t.state.spike if t.state.spike else spike.state_dict())
     spike.streak, spike.first = 0, None
     t.state.spike = spike.state_dict()
     log.warning(

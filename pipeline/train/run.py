@@ -19,8 +19,7 @@ def run(cfg: Config, on_batch: Callable[[Any, dict[str, Any]], None] | None = No
     from pipeline.train.loop import train
 
     trainer = build(cfg)
-    trainer.on_batch = on_batch
     try:
-        return train(trainer)
+        return train(trainer, on_batch)
     finally:
         trainer.close()
