@@ -15,6 +15,11 @@ Writes a standard sentence-transformers folder that ``SentenceTransformer(DIR)``
 scored set) and writes it as stock modules: ``Pooling -> Normalize -> Dense (identity activation,
 weight W^T, bias -mu W) -> Normalize``, so ``SentenceTransformer(DIR).encode`` returns whitened vectors.
 
+``--calibrate`` fits a monotone map cosine -> P(same meaning) on labelled training pairs (default: the
+bundled STS-B train split; never a scored set) and stores it as ``DIR/similarity_calibration.json``
+(:mod:`pipeline.evaluate.calibration`), with its held-out Brier score, ECE and a threshold table in the
+card; ``python -m pipeline similarity DIR "句子一" "句子二"`` reads it.
+
 ``first_last_avg`` (mean of the first and last layer's mean-pooled states) is exact in stock modules:
 a ``WeightedLayerPooling`` over layers 1..L with weights (1, 0, ..., 0, 1) averages the two layers per
 token, and mean pooling is linear, so mean-then-average equals average-then-mean.
@@ -83,6 +88,20 @@ class Config:
     whitening_dim: int | None = option(None, "Keep this many whitened dimensions (empty = all).")
     whitening_sentences: int = option(10000, "How many corpus sentences to fit the whitening on.")
     seed: int = option(0, "Seed of the corpus sample for whitening (and of the calibration split).")
+    calibrate: bool = option(
+        False, "Fit cosine -> P(same meaning) on labelled pairs; write similarity_calibration.json."
+    )
+    calibration_pairs: Path | None = option(
+        None, "Labelled pairs to fit on (.tsv/.jsonl; default: the bundled STS-B train split)."
+    )
+    calibration_holdout: Path | None = option(
+        None,
+        "Labelled pairs for Brier/ECE (default: bundled STS-B valid with the default pairs, else a "
+        "seeded 20% of --calibration-pairs held out from the fit).",
+    )
+    calibration_positive: float | None = option(
+        None, "A pair means the same when label >= this (empty: 1 for 0/1 labels, 4 for 0-5 scores)."
+    )
 
     def __post_init__(self) -> None:
         if not self.checkpoint:
@@ -327,6 +346,94 @@ def add_whitening(encoder: Any, cfg: Config) -> dict[str, Any]:
             "dim": encoder.dim, "seed": cfg.seed}  # fmt: skip
 
 
+SCORED_SETS = ("ATEC.test.tsv", "BQ.dev.tsv", "LCQMC.dev.tsv", "PAWSX.dev.tsv", "STS-B.test.tsv")
+
+
+def add_calibration(encoder: Any, cfg: Config) -> Any:
+    """Fit cosine -> P(same meaning) (isotonic) on labelled pairs; Brier/ECE/thresholds on held-out pairs.
+
+    The scored evaluation sets are refused as fitting data: a calibration fitted on them would make
+    the evaluation and the thresholds in the card optimistic.
+    """
+    import numpy as np
+
+    from pipeline.evaluate import calibration as cal
+    from pipeline.evaluate.sts import EVAL_DIR, embed_pair_set, read_pair_file
+
+    default = cfg.calibration_pairs is None
+    fit_path = EVAL_DIR / "STS-B.train.tsv" if default else Path(cfg.calibration_pairs)
+    scored = {(EVAL_DIR / name).resolve() for name in SCORED_SETS}
+    for path in (fit_path, cfg.calibration_holdout):
+        if path is not None and Path(path).resolve() in scored:
+            raise InputError(f"{path} is a scored evaluation set; calibrate on training pairs instead")
+    if not fit_path.is_file():
+        raise InputError(f"--calibration-pairs {fit_path} does not exist")
+
+    def cosines(pairs: Any) -> np.ndarray:
+        embed = lambda texts: encoder.encode(texts, progress=True, desc="calibration")  # noqa: E731
+        return embed_pair_set(embed, pairs).cosines()
+
+    pairs = read_pair_file(fit_path)
+    scores = cosines(pairs)
+    positive, rule = cal.positive_labels(pairs.labels, cfg.calibration_positive)
+    holdout_path = cfg.calibration_holdout or (EVAL_DIR / "STS-B.valid.tsv" if default else None)
+    if holdout_path is None:
+        fit, held = cal.split_indices(len(pairs), 0.2, cfg.seed)
+        held_scores, held_positive = scores[held], positive[held]
+        held_name = f"{fit_path.name}: a seeded 20% ({len(held)} pairs, seed {cfg.seed}) left out of the fit"
+        scores, positive = scores[fit], positive[fit]
+    else:
+        held_pairs = read_pair_file(holdout_path)
+        held_scores = cosines(held_pairs)
+        held_positive, _ = cal.positive_labels(held_pairs.labels, cfg.calibration_positive)
+        held_name = Path(holdout_path).name
+    calibration = cal.fit_isotonic(scores, positive)
+    calibration.info = {
+        "what": "P(the two sentences mean the same | cosine of their embeddings under this model)",
+        "fitted_on": {
+            "file": fit_path.name,
+            "pairs": int(len(scores)),
+            "positives": int(positive.sum()),
+            "positive_rule": rule,
+        },  # fmt: skip
+        "held_out": {"file": held_name, **cal.summary(calibration, held_scores, held_positive)},
+        "thresholds": cal.threshold_table(calibration, held_scores, held_positive),
+        "transfer": cal.TRANSFER,
+    }
+    return calibration
+
+
+def calibration_card(calibration: Any) -> list[str]:
+    """The model card's section on the calibration file: held-out figures and the threshold table."""
+    from pipeline.evaluate.calibration import CALIBRATION_FILE
+    from pipeline.evaluate.tables import markdown_table
+
+    info = calibration.info
+    held, fitted = info["held_out"], info["fitted_on"]
+    rows = [
+        [f"{r['probability']:.1f}", _fmt(r["cosine"]), _fmt(r["precision"]), _fmt(r["recall"]),
+         r["predicted_positive"]]
+        for r in info["thresholds"]
+    ]  # fmt: skip
+    return [
+        "## Calibrated similarity\n",
+        f"`{CALIBRATION_FILE}` maps the cosine of two embeddings to the probability that the two sentences "
+        f"mean the same ({calibration.method} regression, fitted on {fitted['pairs']} pairs of "
+        f"`{fitted['file']}`, same meaning = {fitted['positive_rule']}). "
+        '`python -m pipeline similarity THIS_FOLDER "句子一" "句子二"` prints both.\n',
+        f"On held-out pairs ({held['file']}; {held['pairs']} pairs, {held['positives']} positive): Brier "
+        f"score {held['brier']:.4f} (always predicting the base rate: {held['brier_base_rate']:.4f}), "
+        f"expected calibration error {held['ece']:.4f} ({held['ece_bins']} bins).\n",
+        'Calling a pair "same meaning" when P >= p, on the same held-out pairs:\n',
+        markdown_table(["P >=", "cosine >=", "precision", "recall", "pairs called"], rows) + "\n",
+        f"{info['transfer']}\n",
+    ]
+
+
+def _fmt(value: Any) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
 # ------------------------------------------------------------------------------------ model card
 def find_config_yaml(resolved: Any) -> dict[str, Any]:
     candidates = []
@@ -439,6 +546,7 @@ def model_card(
     license: str,
     repo_id: str | None,
     whitening: dict[str, Any] | None = None,
+    calibration: Any = None,
 ) -> str:
     from pipeline.evaluate.resolve import describe
     from pipeline.evaluate.tables import markdown_table, result_markdown
@@ -510,6 +618,8 @@ def model_card(
             f"Exported weights: step {selected['step']} ({selected['selected']}), STS-B valid "
             f"{selected['sts_b_valid_spearman']:.2f}; step 0 (the initial model) was a candidate.\n"
         )
+    if calibration is not None:
+        lines += calibration_card(calibration)
     lines.append("## Evaluation\n")
     if result:
         lines.append(
@@ -580,14 +690,20 @@ def run(cfg: Config) -> int:
     result = find_eval_json(resolved, cfg.eval_json)
     encoder = resolve.load_encoder(resolved, pooling=cfg.pooling, prefix=cfg.prefix)
     whitening = add_whitening(encoder, cfg) if cfg.whitening else None
+    calibration = add_calibration(encoder, cfg) if cfg.calibrate else None
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         write_sentence_transformers_folder(encoder, tmp)
         card = model_card(
-            encoder, resolved, find_config_yaml(resolved), result, cfg.license, cfg.push_to_hub, whitening
-        )
+            encoder, resolved, find_config_yaml(resolved), result, cfg.license, cfg.push_to_hub, whitening,
+            calibration,
+        )  # fmt: skip
+        if calibration is not None:
+            from pipeline.evaluate.calibration import CALIBRATION_FILE
+
+            calibration.save(tmp / CALIBRATION_FILE)
         (tmp / "README.md").write_text(card, encoding="utf-8")
         if cfg.verify:
             error = verify_folder(encoder, tmp)
@@ -601,6 +717,9 @@ def run(cfg: Config) -> int:
     print(
         f"wrote sentence-transformers folder {out} ({encoder.pooling} pooling{whitened}, dim {encoder.dim})"
     )
+    if calibration is not None:
+        held = calibration.info["held_out"]
+        print(f"calibration: held-out {held['file']}: Brier {held['brier']:.4f}, ECE {held['ece']:.4f}")
     if cfg.push_to_hub:
         url = push_folder(out, cfg.push_to_hub, token, cfg.private)
         print(f"pushed {out} to {url}")
