@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from pipeline.resources import build_dialogues as bd
+from pipeline.preprocess import build_dialogues as bd
+from pipeline.resources import EVAL_DIR, ROOT
 
 
 def test_join_words_drops_segmentation_spaces_but_keeps_latin_word_breaks():
@@ -52,8 +53,8 @@ def test_pinned_sdist_hash_is_checked(tmp_path):
 
 
 def test_bundled_sample_shares_no_text_with_the_evaluation_files():
-    banned = bd.eval_texts(bd.HERE / "eval")
-    path = bd.HERE / "corpus" / "taobao_dialogues.jsonl"
+    banned = bd.eval_texts(EVAL_DIR)
+    path = ROOT / "corpus" / "taobao_dialogues.jsonl"
     n = 0
     for line in path.read_text(encoding="utf-8").splitlines():
         record = json.loads(line)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import unicodedata
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from pipeline.config import option
 from pipeline.data import pairs as pair_reader
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_bytes
+from pipeline.preprocess.text import normalize_text
 from pipeline.search.api import SearchIndex
 
 log = logging.getLogger(__name__)
@@ -70,12 +70,6 @@ class Config:
         for path in self.out:
             if path.suffix not in OUTPUT_SUFFIXES:
                 raise ConfigError(f"--out {path}: name it *.jsonl or *.tsv to choose the format")
-
-
-def normalize_text(text: str) -> str:
-    """NFKC, case-folded, without whitespace or punctuation: '你好！ ' and '你好!' are the same text."""
-    text = unicodedata.normalize("NFKC", text).casefold()
-    return "".join(c for c in text if not unicodedata.category(c).startswith(("P", "Z", "C")))
 
 
 # ---------------------------------------------------------------------------------------- input

