@@ -41,20 +41,24 @@ def run(argv: list[str] | None = None) -> int:
     if code:
         return code
     result = json.loads((args.out / "finetune.json").read_text(encoding="utf-8"))
-    print("\n| task | regime | encode once (s) | cells (s) | total (s) | lrs | score |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| task | regime | encode once (s) | cells (s) | total (s) | total CPU (s) | lrs | score |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     totals = {"train": 0.0, "freeze": 0.0}
+    cpu_totals = {"train": 0.0, "freeze": 0.0}
     for name, entry in result["tasks"].items():
         for regime, row in entry["regimes"].items():
             encode = row.get("encode_seconds", 0.0)
             total = encode + row["seconds"]
+            cpu = row.get("encode_cpu_seconds", 0.0) + row["cpu_seconds"]
             totals[regime] += total
+            cpu_totals[regime] += cpu
             lrs = len(result["config"]["train_lrs" if regime == "train" else "freeze_lrs"])
             score = f"{entry['metric']} {row['mean']:.2f}"
-            cells = f"{encode:.1f} | {row['seconds']:.1f} | {total:.1f}"
+            cells = f"{encode:.1f} | {row['seconds']:.1f} | {total:.1f} | {cpu:.1f}"
             print(f"| {name} | {regime} | {cells} | {lrs} | {score} |")
     print(
-        f"\nTrainBERT {totals['train'] / 60:.1f} min, FreezeBERT {totals['freeze'] / 60:.1f} min; "
+        f"\nTrainBERT {totals['train'] / 60:.1f} min, FreezeBERT {totals['freeze'] / 60:.1f} min "
+        f"(CPU time, all threads: {cpu_totals['train'] / 60:.1f} and {cpu_totals['freeze'] / 60:.1f} min); "
         f"wall {wall / 60:.1f} min for the whole run (model loading and tables included); "
         f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (1 min), "
         f"{load_after[2]:.1f} (15 min); OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"

@@ -280,7 +280,7 @@ def frozen_features(
         if features.shape[0] == len(texts):
             return features, row
         log.warning("cache %s has %d rows for %d texts; recomputing it", path, features.shape[0], len(texts))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     tick = progress.start(f"{task.name}: encode {len(texts)} texts once (FreezeBERT)")
     try:
         features = encode_pooled(model.encoder, texts, tick=tick)
@@ -296,7 +296,8 @@ def frozen_features(
     seconds = round(time.perf_counter() - start, 2)
     from pipeline.io import atomic_write_json
 
-    atomic_write_json(path.with_suffix(".json"), {"texts": len(texts), "seconds": seconds})
+    timing = {"texts": len(texts), "seconds": seconds, "cpu_seconds": round(time.process_time() - cpu, 2)}
+    atomic_write_json(path.with_suffix(".json"), timing)
     log.info(
         "%s: encoded %d texts for FreezeBERT in %.1f s (cached in %s)", task.name, len(texts), seconds, path
     )

@@ -45,13 +45,16 @@ def summarise(cfg: Any, tasks: list[Task], records: dict[Any, dict[str, Any]], o
                 "dev": [r["dev"][metric] for r in chosen],
                 "test": [r["test"][metric] for r in chosen],
                 "seconds": round(sum(r["seconds"] for cells in per_seed.values() for r in cells), 1),
+                "cpu_seconds": round(sum(r.get("cpu_seconds", 0.0) for c in per_seed.values() for r in c), 1),
             }
             row |= _mean_std(row["test"])
             if task.kind == "classification":
                 row["macro_f1"] = _mean_std([r["test"]["macro_f1"] for r in chosen])
             cache = sorted((out / "cache").glob(f"{task.name}-*.json")) if regime == "freeze" else []
             if cache:
-                row["encode_seconds"] = json.loads(cache[-1].read_text(encoding="utf-8"))["seconds"]
+                timing = json.loads(cache[-1].read_text(encoding="utf-8"))
+                row["encode_seconds"] = timing["seconds"]
+                row["encode_cpu_seconds"] = timing.get("cpu_seconds", 0.0)
             entry["regimes"][regime] = row
         summary[task.name] = entry
     return summary
