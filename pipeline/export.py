@@ -674,9 +674,14 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
         raise InputError(
             f"output folder {out} exists; pass --overwrite to replace it or choose another --out"
         )
-    if not out.is_dir() or (any(out.iterdir()) and not (out / "modules.json").is_file()):
+    from pipeline.model.rules import ENCODER_FILE
+
+    # model folders we save (training, checkpoints, models fetch) have modules.json too, and encoder.json
+    earlier_export = (out / "modules.json").is_file() and not (out / ENCODER_FILE).is_file()
+    if not out.is_dir() or (any(out.iterdir()) and not earlier_export):
         raise InputError(
-            f"--overwrite refuses to delete {out}: it is not an earlier export (no modules.json)"
+            f"--overwrite refuses to delete {out}: it is not an earlier export (no modules.json, or a "
+            f"model folder with {ENCODER_FILE})"
         )
 
 

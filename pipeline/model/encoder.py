@@ -10,11 +10,20 @@ An encoder may end in a linear ``dense`` map after pooling (a sentence-transform
 e.g. the BERT-whitening ``export --whitening`` writes): pooled -> [L2-normalise] -> dense -> L2-normalise.
 Such encoders come from sentence-transformers folders only; :meth:`SentenceEncoder.save_pretrained`
 refuses them (``python -m pipeline export`` writes them).
+
+:meth:`SentenceEncoder.save_pretrained` also writes the sentence-transformers module files of the same
+rule (``modules.json``, Pooling, Normalize, the prefix as default prompt), so that
+``SentenceTransformer(folder)`` on a training or checkpoint folder returns our vectors. The weights
+stay the trainer's (no pooler): sentence-transformers then reports BERT's unused pooler as newly
+initialised, which does not touch the sentence embedding; ``export`` writes a folder without that note.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -62,6 +71,53 @@ def _has_pooler_weights(folder: Path) -> bool:
 
     with safe_open(str(weights), framework="pt") as f:
         return any(key.startswith("pooler.") for key in f.keys())
+
+
+def load_backbone(source: str | Path, **kwargs: Any) -> nn.Module:
+    """``AutoModel.from_pretrained`` without BERT's pooler, and without a load report about it.
+
+    The pooler is unused (DDP also fails on parameters that get no gradient). A local folder that
+    holds pooler weights (our exports and fetched models carry an identity pooler so that other
+    loaders see no missing weights) is loaded as saved and the pooler dropped; elsewhere the model is
+    built without one and transformers' report of the checkpoint's unused ``pooler.*`` weights is
+    filtered out. Reports of missing or mismatched weights still reach the user.
+    """
+    from transformers import AutoModel
+
+    if _has_pooler_weights(Path(source) / kwargs.get("subfolder", "")):
+        backbone = AutoModel.from_pretrained(str(source), **kwargs)
+        backbone.pooler = None
+        return backbone
+    with _without_unused_pooler_report():
+        try:
+            return AutoModel.from_pretrained(str(source), add_pooling_layer=False, **kwargs)
+        except TypeError:  # architectures without a pooler do not take the argument
+            return AutoModel.from_pretrained(str(source), **kwargs)
+
+
+class _UnusedPoolerReport(logging.Filter):
+    """Drops a transformers LOAD REPORT whose only entries are UNEXPECTED ``pooler.*`` weights."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", record.getMessage())  # the report is styled with ANSI codes
+        if "LOAD REPORT" not in text:
+            return True
+        rows = [line.split("|") for line in text.splitlines() if line.count("|") >= 2]
+        statuses = [(row[0].strip(), row[1].strip()) for row in rows if row[1].strip().isupper()]
+        only_pooler = all(status == "UNEXPECTED" and key.startswith("pooler.") for key, status in statuses)
+        return not (statuses and only_pooler)
+
+
+@contextlib.contextmanager
+def _without_unused_pooler_report():
+    # transformers 5 logs the report from modeling_utils; older releases log nothing of the kind
+    logger = logging.getLogger("transformers.modeling_utils")
+    report_filter = _UnusedPoolerReport()
+    logger.addFilter(report_filter)
+    try:
+        yield
+    finally:
+        logger.removeFilter(report_filter)
 
 
 class SentenceEncoder(nn.Module):
@@ -167,9 +223,18 @@ class SentenceEncoder(nn.Module):
                 "this encoder ends in a Dense module, which encoder.json cannot hold; write it with "
                 "`python -m pipeline export` (a sentence-transformers folder)"
             )
+        from pipeline.export import write_module_files
+
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.backbone.save_pretrained(directory, safe_serialization=True)
+        config, flag = self.backbone.config, self.backbone.config.output_hidden_states
+        # first_last_avg as sentence-transformers modules reads every layer: only if the saved config
+        # asks the model to return them (our forward passes the flag itself, so we are unaffected)
+        config.output_hidden_states = self.pooling == "first_last_avg"
+        try:
+            self.backbone.save_pretrained(directory, safe_serialization=True)
+        finally:
+            config.output_hidden_states = flag
         self.tokenizer.save_pretrained(directory)
         meta = {
             "pooling": self.pooling,
@@ -178,6 +243,14 @@ class SentenceEncoder(nn.Module):
             "prefix": self.prefix,
         }
         (directory / ENCODER_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        # The same rule as sentence-transformers modules, so that SentenceTransformer(directory) gives
+        # our vectors (prefix as the default prompt, our pooling, max length) instead of silently
+        # building mean pooling without the prefix. encoder.json stays what our reader uses.
+        prompts = {"query": self.prefix} if self.prefix else {}
+        write_module_files(
+            directory, self.pooling, int(config.hidden_size), int(config.num_hidden_layers), self.max_length,
+            prompts, "query" if prompts else None,
+        )  # fmt: skip
 
     @classmethod
     def from_pretrained(
@@ -196,7 +269,7 @@ class SentenceEncoder(nn.Module):
         falls back to 64, ``prefix`` to none. The backbone is built without its pooler: the pooler is
         unused, and DDP fails on parameters that get no gradient.
         """
-        from transformers import AutoConfig, AutoModel, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         local = Path(name_or_dir)
         if str(name_or_dir).startswith((".", "/")) and not local.exists():
@@ -217,17 +290,7 @@ class SentenceEncoder(nn.Module):
                     f"modules.json); {POOLING_HELP}"
                 )
             tokenizer = AutoTokenizer.from_pretrained(source, **where)
-            if _has_pooler_weights(Path(source)):
-                # Exports and fetched models carry an (identity) pooler so that other loaders see no
-                # missing weights; load it as saved, then drop it (unused, and DDP fails on parameters
-                # that get no gradient) instead of reporting its weights as unexpected.
-                backbone = AutoModel.from_pretrained(source, **where, **kwargs)
-                backbone.pooler = None
-            else:
-                try:
-                    backbone = AutoModel.from_pretrained(source, add_pooling_layer=False, **where, **kwargs)
-                except TypeError:  # architectures without a pooler do not take the argument
-                    backbone = AutoModel.from_pretrained(source, **where, **kwargs)
+            backbone = load_backbone(source, **where, **kwargs)
         except OSError as exc:
             raise InputError(f"cannot load model {name_or_dir!r}: {exc}".splitlines()[0]) from None
         encoder = cls(

@@ -368,7 +368,7 @@ def _copy_module_files(source: Path, dest: Path) -> None:
         for entry in json.loads((source / ST_MODULES).read_text(encoding="utf-8")):
             sub = entry.get("path") or ""
             if sub and (source / sub).is_dir():
-                shutil.copytree(source / sub, dest / sub)
+                shutil.copytree(source / sub, dest / sub, dirs_exist_ok=True)
 
 
 def _existing_record(out: Path) -> dict[str, Any] | None:
@@ -408,14 +408,13 @@ def _publish(partial: Path, out: Path, overwrite: bool) -> None:
 
 # ------------------------------------------------------------------------------------------------ command
 def load_source(folder: Path) -> tuple[nn.Module, Any]:
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from pipeline.model.encoder import load_backbone
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        try:
-            backbone = AutoModel.from_pretrained(str(folder), add_pooling_layer=False)
-        except TypeError:  # architectures without a pooler do not take the argument
-            backbone = AutoModel.from_pretrained(str(folder))
+        backbone = load_backbone(folder)  # without the pooler, and without a load report about it
     except OSError as exc:
         raise InputError(f"cannot load model folder {folder}: {exc}".splitlines()[0]) from None
     if not getattr(tokenizer, "is_fast", False):
