@@ -32,8 +32,8 @@ from typing import Any, Literal
 from pipeline.errors import InputError, PipelineError
 from pipeline.model.encoder import ENCODER_FILE, SentenceEncoder
 from pipeline.model.rules import is_sentence_transformers_folder
-from pipeline.train.checkpoint import MANIFEST as CHECKPOINT_MANIFEST
-from pipeline.train.checkpoint import MODEL_DIR
+from pipeline.run_layout import MANIFEST as CHECKPOINT_MANIFEST
+from pipeline.run_layout import MODEL_DIR
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Mapping
@@ -53,6 +52,19 @@ from pipeline.io import (
     sha256_file,
     walk_files,
 )
+from pipeline.run_layout import (
+    BEST,
+    CHECKPOINT_FORMAT,
+    CONFIG_FILE,
+    DEEPSPEED_DIR,
+    DEEPSPEED_TAG,
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    MODEL_DIR,
+    STATE_FILE,
+    STEP_DIR,
+)
 from pipeline.train.guard import NonFiniteError, first_nonfinite
 
 __all__ = [
@@ -65,18 +77,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-CHECKPOINT_FORMAT = "sentence-encoder-checkpoint"
-FORMAT_VERSION = 1
-MANIFEST = "checkpoint.json"
-STATE_FILE = "state.pt"
-CONFIG_FILE = "config.yaml"
-MODEL_DIR = "model"
-DEEPSPEED_DIR = "deepspeed"
-DEEPSPEED_TAG = "engine"
-LATEST = "latest"
-BEST = "best"
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
 class Stateful(Protocol):
@@ -241,7 +241,7 @@ class Checkpointer:
         if not self.dir.is_dir():
             return []
         found = [
-            (int(m.group(1)), p) for p in self.dir.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))
+            (int(m.group(1)), p) for p in self.dir.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))
         ]
         return [p for _, p in sorted(found)]
 
