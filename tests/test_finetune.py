@@ -240,3 +240,48 @@ def test_bce_and_cosent_losses_match_their_formulas():
     terms = [20 * (cos[j] - cos[i]) for i in range(4) for j in range(4) if score[i] > score[j]]
     naive = torch.log(1 + torch.exp(torch.stack(terms)).sum())
     assert len(terms) == 5 and torch.allclose(cosent_loss(cos, score), naive)
+
+
+def test_sigkill_mid_run_then_rerun_redoes_nothing_and_loses_nothing(toy, tmp_path, caplog):
+    """The real thing: the command in a child process, killed with SIGKILL once cells are recorded."""
+    import logging
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    extra = ["--regimes", "freeze", "--seeds", "0,1,2,3,4,5", "--freeze-epochs", "40"]
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    child = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", *_args(toy, out, *extra)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while len(list((out / "cells").rglob("*.json"))) < 3 and time.monotonic() < deadline:
+        if child.poll() is not None:
+            break
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    recorded = {p.relative_to(out): p.read_text(encoding="utf-8") for p in (out / "cells").rglob("*.json")}
+    total = 2 * 6  # tasks x seeds x 1 lr
+    assert 3 <= len(recorded) < total, "the child finished before it could be killed; make it slower"
+    assert not (out / "finetune.json").exists()
+
+    caplog.set_level(logging.INFO, logger="pipeline.finetune.run")
+    assert main(_args(toy, out, *extra)) == 0
+    assert f"{len(recorded)} of {total} cells were recorded" in caplog.text
+    computed = [r for r in caplog.records if "dev " in r.getMessage() and "test " in r.getMessage()]
+    assert len(computed) == total - len(recorded)  # nothing redone
+    for rel, text in recorded.items():  # nothing lost or rewritten
+        assert (out / rel).read_text(encoding="utf-8") == text
+    reference = tmp_path / "reference"
+    assert main(_args(toy, reference, *extra)) == 0
+    for path in (reference / "cells").rglob("*.json"):
+        a = json.loads(path.read_text(encoding="utf-8"))
+        b = json.loads((out / path.relative_to(reference)).read_text(encoding="utf-8"))
+        assert (a["dev"], a["test"]) == (b["dev"], b["test"])
