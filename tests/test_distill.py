@@ -1,5 +1,5 @@
 """Distillation terms, teacher positives and hard negatives against literal (loop-by-loop) formulas, the
-objective interface's weighting, and the loop's batch plumbing (micro-batches, teacher queue)."""
+weighted sum of loss terms, and the loop's batch plumbing (micro-batches, teacher queue)."""
 
 import math
 
@@ -9,8 +9,7 @@ import torch.nn.functional as F
 from _tensors import unit
 
 from pipeline.errors import ConfigError, InputError
-from pipeline.losses import LossInputs, distill, get_objective, multi_positive
-from pipeline.train.config import ObjectiveConfig
+from pipeline.losses import StepOutput, build_loss, distill, multi_positive
 
 TAU = 0.05
 
@@ -112,12 +111,13 @@ def test_luse_teacher_positive_through_the_projection():
     assert project.weight.grad is not None and project.weight.grad.abs().sum() > 0
 
 
-# ------------------------------------------------------------------------------ the objective face
+# ---------------------------------------------------------------------------- the weighted terms
 def test_objective_weights_parts_and_needs_a_teacher():
-    cfg = ObjectiveConfig(contrastive_weight=0.5, distill_weight=2.0, kl_weight=0.3, teacher_dim=6)
-    luse = get_objective("luse")
+    luse = build_loss(
+        [{"luse": {}, "weight": 0.5}, {"distill": {}, "weight": 2.0}, {"kl": {}, "weight": 0.3}]
+    )
     views, teacher = unit(3, 4, 6), unit(4, 6, seed=1)
-    parts = luse.loss(views, LossInputs(cfg, teacher=teacher, gather=False))
+    parts = luse(StepOutput(views, teacher=teacher, gather=False))
     assert set(parts) == {"loss", "contrastive", "distill", "kl"}
     torch.testing.assert_close(parts["contrastive"], multi_positive.compute_loss(views, 0.05, gather=False))
     torch.testing.assert_close(parts["distill"], distill.embedding_loss(views[0], teacher))
@@ -125,35 +125,42 @@ def test_objective_weights_parts_and_needs_a_teacher():
     expected = 0.5 * parts["contrastive"] + 2.0 * parts["distill"] + 0.3 * parts["kl"]
     torch.testing.assert_close(parts["loss"], expected)
     with pytest.raises(InputError, match="no teacher embeddings"):
-        luse.loss(views, LossInputs(cfg, gather=False))
+        luse(StepOutput(views, gather=False))
     with pytest.raises(InputError, match="hard negatives"):
-        get_objective("simcse").loss(views[:2], LossInputs(ObjectiveConfig(), hard_negatives=views[:1]))
+        build_loss([{"simcse": {}}])(StepOutput(views[:2], hard_negatives=views[:1]))
 
 
 def test_distillation_alone_with_a_projection_head():
-    cfg = ObjectiveConfig(contrastive_weight=0.0, distill_weight=1.0, teacher_dim=10)
-    luse = get_objective("luse")
-    head = luse.build_head(cfg, 6)
+    alone = build_loss([{"distill": {}, "weight": 1.0}])
+    head = alone.build_head(6, teacher_dim=10)
     assert isinstance(head, torch.nn.Linear) and tuple(head.weight.shape) == (10, 6)
-    assert luse.build_head(ObjectiveConfig(distill_weight=1.0, teacher_dim=6), 6) is None  # equal widths
+    assert alone.build_head(6, teacher_dim=6) is None  # equal widths
     views, teacher = unit(1, 4, 6).float(), unit(4, 10, seed=1).float()
-    parts = luse.loss(views, LossInputs(cfg, teacher=teacher, head=head, gather=False))
+    parts = alone(StepOutput(views, teacher=teacher, head=head, gather=False))
     assert set(parts) == {"loss", "distill"}
     expected = distill.embedding_loss(F.normalize(head(views[0]), dim=-1), teacher)
     torch.testing.assert_close(parts["loss"], expected)
 
 
-def test_config_validates_names_and_distillation():
+def test_config_validates_names_and_distillation(tmp_path):
+    from pipeline.config import load_config
+    from pipeline.train.config import Config
+
+    def config(loss, **over):
+        return load_config(
+            Config, None, {"data.shards": str(tmp_path), "model.pooling": "mean", "loss": loss, **over}
+        )
+
     with pytest.raises(ConfigError, match="one of luse, simcse"):
-        ObjectiveConfig(name="simcsee")
+        config([{"simcsee": {}}])
     with pytest.raises(ConfigError, match="use luse or simcse"):
-        ObjectiveConfig(name="cosent", distill_weight=1.0)
+        config([{"cosent": {}}, {"distill": {}}], **{"data.supervised_file": "pairs.tsv"})
     with pytest.raises(ConfigError, match="teacher_positive"):
-        ObjectiveConfig(name="simcse", teacher_positive=True)
-    with pytest.raises(ConfigError, match="one of them > 0"):
-        ObjectiveConfig(contrastive_weight=0.0)
-    with pytest.raises(ConfigError, match="distill_loss"):
-        ObjectiveConfig(distill_weight=1.0, distill_loss="l1")
+        config([{"simcse": {"teacher_positive": True}}])
+    with pytest.raises(ConfigError, match="weight of term luse must be a number > 0"):
+        config([{"luse": {}, "weight": 0.0}])
+    with pytest.raises(ConfigError, match="distill.loss"):
+        config([{"distill": {"loss": "l1"}}])
 
 
 def test_config_allows_one_view_only_without_the_contrastive_term(tmp_path):

@@ -9,10 +9,9 @@ from _tensors import leaf, unit
 
 from pipeline.errors import ConfigError
 from pipeline.losses import (
-    OBJECTIVE_INPUTS,
-    OBJECTIVES,
+    TERMS,
+    build_loss,
     cosent,
-    get_objective,
     multi_positive,
     sbert_softmax,
     simcse,
@@ -247,9 +246,12 @@ def test_sbert_softmax_is_cross_entropy_over_u_v_absdiff():
 
 # ----------------------------------------------------------------------------------------- registry
 def test_registry_names_inputs_and_unknown_name():
-    assert set(OBJECTIVES) == {"luse", "simcse", "sup_simcse", "cosent", "sbert"}
-    assert OBJECTIVE_INPUTS["luse"] == "views" and OBJECTIVE_INPUTS["cosent"] == "scored_pairs"
-    assert all(callable(m.compute_loss) for m in OBJECTIVES.values())
-    assert [n for n, m in OBJECTIVES.items() if m.uses_queue] == ["luse"]
+    main = {n for n, t in TERMS.items() if t.data is not None}  # the terms that decide the data
+    assert main == {"luse", "simcse", "sup_simcse", "cosent", "sbert"}
+    assert set(TERMS) - main == {"distill", "kl", "mlm"}
+    luse, cosent = TERMS["luse"], TERMS["cosent"]
+    assert "views" in luse.reads(luse.config()) and cosent.reads(cosent.config()) == {"pairs", "labels"}
+    assert all(callable(t.loss) for t in TERMS.values())
+    assert [n for n, t in TERMS.items() if "queue" in t.reads(t.config()) and t.data] == ["luse"]
     with pytest.raises(ConfigError, match="one of luse"):
-        get_objective("simcsee")
+        build_loss([{"simcsee": {}}])

@@ -129,15 +129,18 @@ def test_head_is_tied_to_the_embeddings():
 @pytest.mark.parametrize(
     "over",
     [
-        {"objective.mlm_weight": -0.1},
-        {"objective.mlm_probability": 0.0},
+        {"loss": [{"luse": {}}, {"mlm": {}, "weight": -0.1}]},
+        {"loss": [{"luse": {}}, {"mlm": {"probability": 0.0}}]},
+        {"loss": [{"luse": {}}, {"mlm": {}, "weight": 0.1}], "train.gradcache_chunk_size": 8},
+        {"loss": [{"cosent": {}}, {"mlm": {}, "weight": 0.1}], "data.supervised_file": "x.tsv"},
+        {"objective.mlm_weight": -0.1},  # the deprecated flat section, read into `loss`
         {"objective.mlm_weight": 0.1, "train.gradcache_chunk_size": 8},
         {"objective.mlm_weight": 0.1, "objective.name": "cosent", "data.supervised_file": "x.tsv"},
     ],
 )
 def test_config_refuses(over):
-    with pytest.raises(ConfigError, match="mlm_"):
-        load_config(Config, DEBUG, {"objective.queue_size": 0, **over})
+    with pytest.raises(ConfigError, match="mlm"):
+        load_config(Config, DEBUG, over)
 
 
 @pytest.fixture(scope="module")

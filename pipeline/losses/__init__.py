@@ -1,46 +1,82 @@
-"""Training objectives, one per file, each with ``compute_loss(...)`` separate from encoding.
+"""The terms of the training loss, one formula per file, each with ``compute_loss(...)`` separate from
+encoding and its small config dataclass beside it (pipeline/losses/terms.py: how terms compose).
 
-``OBJECTIVES`` is the registry, the one list of objective names: name -> :class:`Objective`
-(pipeline/losses/objective.py), the face the trainer calls (``objective.loss(embeddings, inputs)``).
+``TERMS`` is the registry, the one list of term names: name -> :class:`Term`.
 
-=============  =================  ============================================================
-name           input              compute_loss arguments (all embeddings L2-normalised)
-=============  =================  ============================================================
-luse           views              embeddings (n_views, B, H), temperature, queue (Q, H), gather,
-                                  teacher (B, D_t), hard_negatives (m, B, H), project
-simcse         two_views          embeddings (2, B, H) two dropout encodings, temperature, gather
-sup_simcse     triples            anchor, positive, negative: (B, H) each, temperature, gather
-cosent         scored_pairs       u, v: (B, H), labels (B,) graded or 0/1 scores, scale, gather
-sbert          labeled_pairs      u, v: (B, H), labels (B,) class indices, head (SoftmaxHead)
-=============  =================  ============================================================
+===========  ============  =========================================================================
+term         reads         compute_loss arguments (all embeddings L2-normalised)
+===========  ============  =========================================================================
+luse         views         embeddings (n_views, B, H), temperature, queue (Q, H), gather,
+                           teacher (B, D_t), hard_negatives (m, B, H), project
+simcse       views         embeddings (2, B, H) two dropout encodings, temperature, gather
+sup_simcse   pairs         anchor, positive, negative: (B, H) each, temperature, gather
+cosent       pairs+labels  u, v: (B, H), labels (B,) graded or 0/1 scores, scale, gather
+sbert        pairs+labels  u, v: (B, H), labels (B,) class indices, head (SoftmaxHead)
+distill      teacher       student (B, D_t) (projected originals), teacher (B, D_t), cosine or mse
+kl           teacher       student (B, H), teacher (B, D_t), temperatures, queue + teacher queue
+mlm          MLM logits    logits (B, L, V), labels (B, L) (-100 where not masked)
+===========  ============  =========================================================================
 
-``views`` and ``two_views`` come from the unsupervised shards; ``triples`` from
-:func:`pipeline.data.pairs.read_triples`; ``scored_pairs`` / ``labeled_pairs`` from
-:func:`pipeline.data.pairs.read_pairs`. Distillation terms: :mod:`pipeline.losses.distill`. See
-docs/objectives.md.
+luse and simcse read the unsupervised shards; sup_simcse reads :func:`pipeline.data.pairs.read_triples`,
+cosent and sbert :func:`pipeline.data.pairs.read_pairs`. See docs/objectives.md.
 """
 
 from __future__ import annotations
 
-from pipeline.errors import ConfigError
-from pipeline.losses import cosent, multi_positive, sbert_softmax, simcse, sup_simcse
-from pipeline.losses.objective import LossInputs, Objective
+from typing import Any
 
-OBJECTIVES: dict[str, Objective] = {
-    m.OBJECTIVE.name: m.OBJECTIVE for m in (multi_positive, simcse, sup_simcse, cosent, sbert_softmax)
+from pipeline.losses import cosent, distill, mlm, multi_positive, sbert_softmax, simcse, sup_simcse
+from pipeline.losses.terms import Loss, StepOutput, Term, WeightedTerm, apply_legacy_objective, parse_terms
+
+TERMS: dict[str, Term] = {
+    t.name: t
+    for t in (
+        multi_positive.TERM,
+        simcse.TERM,
+        sup_simcse.TERM,
+        cosent.TERM,
+        sbert_softmax.TERM,
+        distill.DISTILL,
+        distill.KL,
+        mlm.TERM,
+    )
 }
 
-OBJECTIVE_INPUTS: dict[str, str] = {name: o.input for name, o in OBJECTIVES.items()}
+
+def build_loss(entries: list[dict]) -> Loss:
+    """The config's ``loss`` list as a :class:`Loss` (a ConfigError names any bad entry)."""
+    return Loss(parse_terms(entries, TERMS))
 
 
-def get_objective(name: str) -> Objective:
-    """The objective for a config name, or a ConfigError listing the valid names."""
-    try:
-        return OBJECTIVES[name]
-    except KeyError:
-        raise ConfigError(
-            f"objective.name: unknown objective {name!r}; set it to one of {', '.join(OBJECTIVES)}"
-        ) from None
+def trained_loss(config: dict[str, Any]) -> dict[str, Any]:
+    """What a run's saved config (``config.yaml``) trained, for its model card.
+
+    ``loss``: the terms as one line (``distill (loss: cosine)``, ``luse (...) + 0.1 x mlm (...)``);
+    ``terms``: their names; ``objective``, ``temperature``, ``queue_size``, ``momentum``: the main term's
+    (None without one). A config of an earlier version (an ``objective:`` section) is read as training
+    read it.
+    """
+    entries = config.get("loss") or [{"luse": {}, "weight": 1.0}]
+    legacy = {
+        k: v for k, v in (config.get("objective") or {}).items() if v is not None and k != "teacher_dim"
+    }
+    if legacy:
+        entries = apply_legacy_objective(entries, legacy, TERMS)
+    terms = [(next(k for k in e if k != "weight"), e) for e in entries]
+    parts = []
+    for name, e in terms:
+        fields = ", ".join(f"{k}: {v}" for k, v in (e[name] or {}).items())
+        weight = float(e.get("weight", 1.0))
+        parts.append(("" if weight == 1.0 else f"{weight:g} x ") + name + (f" ({fields})" if fields else ""))
+    main = next(((n, e[n] or {}) for n, e in terms if n in TERMS and TERMS[n].data is not None), (None, {}))
+    return {
+        "loss": " + ".join(parts),
+        "terms": [n for n, _ in terms],
+        "objective": main[0],
+        "temperature": main[1].get("temperature"),
+        "queue_size": main[1].get("queue_size"),
+        "momentum": main[1].get("momentum"),
+    }
 
 
-__all__ = ["OBJECTIVES", "OBJECTIVE_INPUTS", "LossInputs", "Objective", "get_objective"]
+__all__ = ["TERMS", "Loss", "StepOutput", "Term", "WeightedTerm", "build_loss", "trained_loss"]

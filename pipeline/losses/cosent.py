@@ -16,12 +16,15 @@ single-process one over the concatenated batch. With ``gather=False`` each rank 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from pipeline.config import option
 from pipeline.distributed import all_gather_no_grad, all_gather_with_grad
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.objective import Objective
+from pipeline.losses.terms import LABELS, PAIRS, Term
 
 
 def compute_loss(
@@ -51,12 +54,20 @@ def compute_loss(
     return torch.logsumexp(torch.cat([zero, diff.flatten()]), dim=0)
 
 
-OBJECTIVE = Objective(
+@dataclass
+class CosentConfig:
+    scale: float = option(20.0, "lambda, the scale of cosine differences (20 = a temperature of 0.05).")
+
+
+TERM = Term(
     name="cosent",
     summary="CoSENT ranking of scored pairs (pairs file)",
-    input="scored_pairs",  # u, v: (B, H), labels: (B,) float scores
+    config=CosentConfig,
+    # views (2, B, H): the two sides u, v; labels (B,) float scores
+    loss=lambda c, out: compute_loss(out.views[0], out.views[1], out.labels, c.scale, gather=out.gather),
+    reads=lambda c: frozenset({PAIRS, LABELS}),
+    part="contrastive",
     data="pairs",
-    compute_loss=compute_loss,
-    contrastive=lambda e, x: compute_loss(e[0], e[1], x.labels, x.config.cosent_scale, gather=x.gather),
+    num_views=lambda k, d: 2,
     label_dtype=torch.float32,
 )

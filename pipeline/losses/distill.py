@@ -1,7 +1,8 @@
 """Distillation from a teacher encoder's cached embeddings (a 12-layer multilingual-e5-small teacher, a
 3-4-layer student).
 
-Two terms, added to an objective's contrastive loss by :class:`pipeline.losses.objective.Objective`:
+Two terms of the loss (:mod:`pipeline.losses.terms`), ``distill`` and ``kl``; each reads the originals
+(view 0) and the batch's teacher embeddings, so ``loss: [{distill: {}}]`` is distillation alone:
 
 * **Embedding distillation** (Reimers and Gurevych 2020, "Making Monolingual Sentence Embeddings
   Multilingual using Knowledge Distillation"): pull each student embedding s_b towards the teacher's
@@ -33,11 +34,17 @@ DDP's averaged gradient is the single-process one (``tests/test_distributed_gloo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 
+from pipeline.config import option
 from pipeline.distributed import all_gather_no_grad, all_gather_with_grad, rank
+from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
+from pipeline.losses.terms import QUEUE, TEACHER, VIEWS, StepOutput, Term
 
 DISTILL_LOSSES = ("cosine", "mse")
 
@@ -48,7 +55,7 @@ def embedding_loss(student: torch.Tensor, teacher: torch.Tensor, kind: str = "co
     if student.shape != teacher.shape or student.dim() != 2:
         raise ValueError(
             f"student and teacher must both be (B, D); got {tuple(student.shape)}, {tuple(teacher.shape)} "
-            "(set objective.teacher_dim so that a projection is built)"
+            "(set data.teacher_dim so that a projection is built)"
         )
     s = F.normalize(at_least_float32(student), dim=-1)  # (B, D)
     t = F.normalize(teacher.to(s.dtype), dim=-1)  # (B, D)
@@ -107,3 +114,54 @@ def kl_loss(
     log_ps = F.log_softmax(s_logits, dim=1)  # (B, C)
     log_pt = F.log_softmax(t_logits, dim=1)  # (B, C)
     return (log_pt.exp() * (log_pt - log_ps)).sum(dim=1).mean()
+
+
+@dataclass
+class DistillConfig:
+    loss: Literal["cosine", "mse"] = option("cosine", "cosine (1 - cos) or mse (of the unit vectors).")
+
+
+def _distill_loss(c: DistillConfig, out: StepOutput) -> torch.Tensor:
+    student = out.views[0]  # (B, H) the originals
+    if out.head is not None:  # the projection to the teacher's width (data.teacher_dim)
+        student = F.normalize(out.head(student.to(out.head.weight.dtype)), dim=-1)  # (B, D_t)
+    return embedding_loss(student, out.teacher, c.loss)
+
+
+DISTILL = Term(
+    name="distill",
+    summary="embedding distillation to the shards' teacher embeddings (cosine or mse)",
+    config=DistillConfig,
+    loss=_distill_loss,
+    reads=lambda c: frozenset({VIEWS, TEACHER}),
+    part="distill",
+    projects=lambda c: True,
+)
+
+
+@dataclass
+class KLConfig:
+    teacher_temperature: float = option(0.05, "tau_t: temperature of the teacher's softmax.")
+    student_temperature: float = option(0.05, "tau_s: temperature of the student's softmax.")
+
+    def __post_init__(self) -> None:
+        if self.teacher_temperature <= 0 or self.student_temperature <= 0:
+            raise ConfigError("kl.teacher_temperature and kl.student_temperature must be > 0 (try 0.05)")
+
+
+KL = Term(
+    name="kl",
+    summary="KL(teacher || student) over in-batch (+ queue) similarities",
+    config=KLConfig,
+    loss=lambda c, out: kl_loss(
+        out.views[0],
+        out.teacher,
+        c.student_temperature,
+        c.teacher_temperature,
+        queue=out.queue,
+        teacher_queue=out.teacher_queue,
+        gather=out.gather,
+    ),
+    reads=lambda c: frozenset({VIEWS, TEACHER, QUEUE}),
+    part="kl",
+)

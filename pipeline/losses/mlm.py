@@ -4,7 +4,7 @@ objective as in SimCSE (Gao, Yao and Chen 2021, appendix: "MLM auxiliary objecti
 Contrastive training looks only at pooled sentence vectors and tends to erode token-level knowledge;
 a weighted masked-token loss on the batch's original sentences keeps the backbone predicting tokens:
 
-    total = contrastive + lambda * mlm
+    loss: [{luse: {...}}, {mlm: {probability: 0.15}, weight: lambda}]   # total = luse + lambda * mlm
 
 Masking (:func:`mask_tokens`, BERT's recipe): each non-special, non-padding token is selected with
 probability ``mask_prob`` (0.15); of the selected, 80% become ``[MASK]``, 10% a random ordinary token,
@@ -23,15 +23,19 @@ is trained and checkpointed but never exported with the encoder.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pipeline.config import option
+from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
+from pipeline.losses.terms import MLM_LOGITS, StepOutput, Term
 
 IGNORE_INDEX = -100  # label of unselected positions (cross_entropy's default ignore_index)
-MASK_PROB = 0.15  # BERT's selection rate; the config field objective.mlm_probability overrides it
+MASK_PROB = 0.15  # BERT's selection rate; the mlm term's probability overrides it
 # BERT's split of the selected tokens; fixed constants, as in BERT/RoBERTa (no run has tuned them)
 MASK_TOKEN_SHARE = 0.8  # -> [MASK]
 RANDOM_TOKEN_SHARE = 0.1  # -> a random ordinary token; the remaining 10% keep their token
@@ -95,3 +99,30 @@ def compute_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     total = F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX, reduction="sum")
     count = (target != IGNORE_INDEX).sum().clamp(min=1)
     return total / count
+
+
+@dataclass
+class MLMConfig:
+    probability: float = option(
+        0.15, "Share of a sentence's tokens selected for the MLM loss (BERT: 0.15; split 80/10/10)."
+    )
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.probability < 1.0:
+            raise ConfigError("mlm.probability must be in (0, 1) (BERT uses 0.15)")
+
+
+def _term_loss(c: MLMConfig, out: StepOutput) -> torch.Tensor:
+    if out.mlm_logits is None or out.mlm_labels is None:
+        raise ValueError("the mlm term needs the step's MLM logits and labels (batches from MLMCollator)")
+    return compute_loss(out.mlm_logits, out.mlm_labels)  # logits (B, L, V), labels (B, L)
+
+
+TERM = Term(
+    name="mlm",
+    summary="auxiliary masked-token loss on the originals (an MLM head tied to the word embeddings)",
+    config=MLMConfig,
+    loss=_term_loss,
+    reads=lambda c: frozenset({MLM_LOGITS}),
+    part="mlm",
+)

@@ -33,13 +33,17 @@ averages gradients the update equals the single-process update over the concaten
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from pipeline.config import option
 from pipeline.distributed import all_gather_no_grad, all_gather_with_grad, rank
+from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.objective import LossInputs, Objective
+from pipeline.losses.terms import HARD_NEGATIVES, QUEUE, TEACHER, VIEWS, StepOutput, Term
 
 
 def compute_loss(
@@ -114,28 +118,51 @@ def compute_loss(
     return -positive_log_prob.mean(dim=1).mean()
 
 
-def _objective_loss(embeddings: torch.Tensor, x: LossInputs) -> torch.Tensor:
-    o = x.config
+@dataclass
+class LuseConfig:
+    temperature: float = option(0.05, "tau: logits = cos / tau.")
+    queue_size: int = option(0, "Negatives kept from earlier steps (0 = no queue); a multiple of the batch.")
+    momentum: float = option(
+        0.0, "EMA momentum of the key encoder (e.g. 0.999); 0 = keys are the detached online view 0."
+    )
+    teacher_positive: bool = option(
+        False, "The teacher embedding of each sentence is one more positive (and a candidate)."
+    )
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ConfigError("luse.temperature must be > 0 (try 0.05)")
+        if self.queue_size < 0:
+            raise ConfigError("luse.queue_size must be >= 0 (0 = no queue)")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError("luse.momentum must be in [0, 1) (0 = no momentum encoder)")
+
+
+def _term_loss(c: LuseConfig, out: StepOutput) -> torch.Tensor:
     return compute_loss(
-        embeddings,
-        o.temperature,
-        queue=x.queue,
-        gather=x.gather,
-        teacher=x.teacher if o.teacher_positive else None,
-        hard_negatives=x.hard_negatives,
-        project=x.head,
+        out.views,
+        c.temperature,
+        queue=out.queue,
+        gather=out.gather,
+        teacher=out.teacher if c.teacher_positive else None,
+        hard_negatives=out.hard_negatives,
+        project=out.head,
     )
 
 
-OBJECTIVE = Objective(
+def _reads(c: Any) -> frozenset[str]:
+    return frozenset({VIEWS, HARD_NEGATIVES, QUEUE} | ({TEACHER} if c.teacher_positive else set()))
+
+
+TERM = Term(
     name="luse",
     summary="multi-positive listwise over original + EDA variants + dropout views, queue (shards)",
-    input="views",  # embeddings (n_views, B, H): original, EDA variants, dropout views
+    config=LuseConfig,
+    loss=_term_loss,
+    reads=_reads,
+    part="contrastive",
     data="shards",
-    compute_loss=compute_loss,
-    contrastive=_objective_loss,
+    num_views=lambda k, d: 1 + k + d,  # original, EDA variants, dropout views
     uses_variants=True,
-    uses_queue=True,
-    uses_teacher_positive=True,
-    uses_hard_negatives=True,
+    projects=lambda c: c.teacher_positive,
 )

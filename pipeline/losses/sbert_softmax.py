@@ -16,11 +16,15 @@ batch sizes the mean of per-rank losses is the global-batch loss.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from pipeline.config import option
+from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.objective import Objective
+from pipeline.losses.terms import LABELS, PAIRS, Term
 from pipeline.model.heads import SoftmaxHead
 
 
@@ -35,13 +39,25 @@ def compute_loss(u: torch.Tensor, v: torch.Tensor, labels: torch.Tensor, head: S
     return F.cross_entropy(at_least_float32(logits), labels.to(logits.device).long())
 
 
-OBJECTIVE = Objective(
+@dataclass
+class SbertConfig:
+    num_labels: int = option(3, "Number of classes in the labelled pair file.")
+
+    def __post_init__(self) -> None:
+        if self.num_labels < 2:
+            raise ConfigError("sbert.num_labels must be >= 2")
+
+
+TERM = Term(
     name="sbert",
     summary="Sentence-BERT softmax classifier over labelled pairs (pairs file)",
-    input="labeled_pairs",  # u, v: (B, H), labels: (B,) class indices
+    config=SbertConfig,
+    # views (2, B, H): the two sides u, v; labels (B,) class indices
+    loss=lambda c, out: compute_loss(out.views[0], out.views[1], out.labels, out.head),
+    reads=lambda c: frozenset({PAIRS, LABELS}),
+    part="contrastive",
     data="pairs",
-    compute_loss=compute_loss,
-    contrastive=lambda e, x: compute_loss(e[0], e[1], x.labels, x.head),
+    num_views=lambda k, d: 2,
     label_dtype=torch.long,
-    make_head=lambda dim, config: SoftmaxHead(dim, config.num_labels),
+    make_head=lambda c, dim: SoftmaxHead(dim, c.num_labels),
 )

@@ -26,12 +26,16 @@ attached to the graph, which scales the gradient by 1/world_size.)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from pipeline.config import option
 from pipeline.distributed import all_gather_with_grad, rank
+from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.objective import Objective
+from pipeline.losses.terms import VIEWS, Term
 
 
 def compute_loss(embeddings: torch.Tensor, temperature: float = 0.05, gather: bool = True) -> torch.Tensor:
@@ -50,11 +54,22 @@ def compute_loss(embeddings: torch.Tensor, temperature: float = 0.05, gather: bo
     return F.cross_entropy(logits, target)
 
 
-OBJECTIVE = Objective(
+@dataclass
+class SimCSEConfig:
+    temperature: float = option(0.05, "tau: logits = cos / tau.")
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ConfigError("simcse.temperature must be > 0 (try 0.05)")
+
+
+TERM = Term(
     name="simcse",
     summary="unsupervised SimCSE, 2 dropout views (shards)",
-    input="two_views",  # embeddings (2, B, H): two dropout encodings of the same sentences
+    config=SimCSEConfig,
+    loss=lambda c, out: compute_loss(out.views, c.temperature, gather=out.gather),  # views (2, B, H)
+    reads=lambda c: frozenset({VIEWS}),
+    part="contrastive",
     data="shards",
-    compute_loss=compute_loss,
-    contrastive=lambda embeddings, x: compute_loss(embeddings, x.config.temperature, gather=x.gather),
+    num_views=lambda k, d: 2,  # two dropout encodings of the original
 )

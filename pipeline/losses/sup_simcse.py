@@ -13,12 +13,16 @@ single-process gradient over the concatenated batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from pipeline.config import option
 from pipeline.distributed import all_gather_with_grad, rank
+from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.objective import Objective
+from pipeline.losses.terms import PAIRS, Term
 
 
 def compute_loss(
@@ -47,12 +51,23 @@ def compute_loss(
     return F.cross_entropy(logits, target)
 
 
-OBJECTIVE = Objective(
+@dataclass
+class SupSimCSEConfig:
+    temperature: float = option(0.05, "tau: logits = cos / tau.")
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ConfigError("sup_simcse.temperature must be > 0 (try 0.05)")
+
+
+TERM = Term(
     name="sup_simcse",
     summary="supervised SimCSE with hard negatives (triples file)",
-    input="triples",  # anchor, positive, negative: each (B, H)
+    config=SupSimCSEConfig,
+    # views (3, B, H): anchor, positive, negative
+    loss=lambda c, out: compute_loss(*out.views, c.temperature, gather=out.gather),
+    reads=lambda c: frozenset({PAIRS}),
+    part="contrastive",
     data="triples",
-    compute_loss=compute_loss,
-    contrastive=lambda e, x: compute_loss(e[0], e[1], e[2], x.config.temperature, gather=x.gather),
-    num_texts=3,
+    num_views=lambda k, d: 3,
 )

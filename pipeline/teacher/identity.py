@@ -16,6 +16,7 @@ from typing import Any
 
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import sha256_file
+from pipeline.losses.terms import TEACHER
 from pipeline.shards import read_manifest
 from pipeline.teacher.vectors import DTYPES
 
@@ -115,27 +116,25 @@ def check_shards(shards: Path, wanted: str | None, num_hard_negatives: int = 0) 
 def batches_carry_teacher(cfg: Any) -> bool:
     """Whether the training batches carry ``batch["teacher"]``; checks the shards against ``cfg.data``.
 
-    Yes when ``data.teacher`` is set (the shards' teacher must match it), or when the objective reads
-    teacher vectors (:func:`pipeline.train.config.needs_teacher`) and the shards hold some (logged).
+    Yes when ``data.teacher`` is set (the shards' teacher must match it), or when a loss term reads
+    teacher vectors and the shards hold some (logged).
     """
-    from pipeline.train.config import needs_teacher
-
     d = cfg.data
     recorded = check_shards(d.shards, d.teacher, d.num_hard_negatives)
-    width = cfg.objective.teacher_dim
+    width = d.teacher_dim
     if recorded is not None and width and width != recorded.get("dim"):
         raise ConfigError(
-            f"objective.teacher_dim={width} but the teacher in {d.shards} has {recorded.get('dim')} "
-            f"dimensions; set --objective.teacher_dim {recorded.get('dim')} (or 0 if the student's width)"
+            f"data.teacher_dim={width} but the teacher in {d.shards} has {recorded.get('dim')} "
+            f"dimensions; set --data.teacher_dim {recorded.get('dim')} (or 0 if the student's width)"
         )
     if d.teacher is not None:
         return True
-    if needs_teacher(cfg):
+    if cfg.terms().reads(TEACHER):
         if recorded is not None:
             log.info("using the shards' teacher %s; set data.teacher to pin it", describe(recorded))
             return True
         log.warning(
-            "the objective reads teacher embeddings but %s has none and data.teacher is unset: batches "
+            "a loss term reads teacher embeddings but %s has none and data.teacher is unset: batches "
             "carry no batch['teacher']; encode the shards with `python -m pipeline teacher`",
             d.shards,
         )

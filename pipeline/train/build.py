@@ -21,7 +21,7 @@ import yaml
 from torch import nn
 
 from pipeline import distributed as dist
-from pipeline.config import to_dict
+from pipeline.config import from_dict, to_dict
 from pipeline.data.collate import MLMCollator, PairCollator, ViewCollator
 from pipeline.data.stream import (
     BatchStream,
@@ -33,7 +33,7 @@ from pipeline.data.stream import (
 from pipeline.data.token_ids import shards_have_ids
 from pipeline.errors import ConfigError, InputError, PipelineError
 from pipeline.evaluate.sts import PairSet, read_pair_file
-from pipeline.losses import Objective, get_objective
+from pipeline.losses import Loss
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
 from pipeline.model.heads import MLMHead, TrainModule
 from pipeline.model.vocab import read_model_config, write_vocab
@@ -41,7 +41,7 @@ from pipeline.resources import EVAL_DIR
 from pipeline.shards import read_shard, shard_paths
 from pipeline.teacher.identity import batches_carry_teacher
 from pipeline.train.checkpoint import Checkpointer, check_compatible
-from pipeline.train.config import UNSUPERVISED, Config, check_against_environment, resolve_path
+from pipeline.train.config import Config, check_against_environment, resolve_path
 from pipeline.train.metrics import MetricsLogger
 from pipeline.train.schedule import LRSchedule
 from pipeline.train.signals import PreemptionHandler
@@ -83,13 +83,13 @@ class Trainer:
     optimizer: Any
     schedule: LRSchedule
     stream: BatchStream
-    objective: Objective
+    loss: Loss  # the weighted terms of cfg.loss
     state: TrainState
     metrics: MetricsLogger
     total_steps: int
     queue: nn.Module | None = None
     momentum_encoder: nn.Module | None = None
-    teacher_queue: nn.Module | None = None  # teacher embeddings of the queued sentences (objective.kl_weight)
+    teacher_queue: nn.Module | None = None  # teacher embeddings of the queued sentences (the kl term)
     checkpointer: Checkpointer | None = None
     preemption: PreemptionHandler | None = None
     sts_valid: PairSet | None = None  # rank 0 only: the STS-B valid pairs scored by evaluate()
@@ -171,7 +171,7 @@ def build_accelerator(cfg: Config) -> Any:
 
 def training_texts(cfg: Config, limit: int) -> list[str]:
     """Sentences of the training data (never the evaluation sets), for the character vocabulary."""
-    if cfg.objective.name in UNSUPERVISED:
+    if cfg.terms().unsupervised:
         texts: list[str] = []
         for path in shard_paths(cfg.data.shards):
             for table in read_shard(path):
@@ -295,7 +295,7 @@ def read_records(cfg: Config) -> list[tuple]:
     from pipeline.data.pairs import read_pairs, read_triples
 
     path = resolve_path(cfg.data.supervised_file)
-    if get_objective(cfg.objective.name).data == "triples":
+    if cfg.terms().data == "triples":
         return [(t.anchor, t.positive, t.negative, None) for t in read_triples(path)]
     return [(p.text_a, p.text_b, p.label) for p in read_pairs(path)]
 
@@ -318,21 +318,22 @@ def shard_blocks(shards: Path, verify: bool, rank: int) -> list[Any]:
 def build_stream(cfg: Config, tokenizer: Any, rank: int, world: int, prefix: str = "") -> BatchStream:
     """This rank's batches; ``prefix`` is the encoder's text prefix, put before every text once."""
     d, t = cfg.data, cfg.train
-    objective = get_objective(cfg.objective.name)
-    if objective.unsupervised:
+    loss = cfg.terms()
+    if loss.unsupervised:
         blocks = shard_blocks(d.shards, d.verify_shards, rank)
-        k, views = (d.num_variants, d.num_dropout_views) if objective.uses_variants else (0, 1)
+        k, views = loss.shard_views(d.num_variants, d.num_dropout_views)
         teacher = batches_carry_teacher(cfg)  # checks data.teacher/num_hard_negatives against the shards
         pretokenized = shards_have_ids(d.shards, tokenizer, prefix, d.max_length)  # refuses other ids
         collate = ViewCollator(
             tokenizer, d.max_length, k, views, prefix, teacher, d.num_hard_negatives, pretokenized
         )
         source: Any = ShardSource(blocks, collate.columns)
-        if cfg.objective.mlm_weight:  # masks drawn in the loader workers, from the data position
-            collate = MLMCollator(collate, tokenizer, t.seed, cfg.objective.mlm_probability)
+        mlm = loss.config("mlm")
+        if mlm is not None:  # masks drawn in the loader workers, from the data position
+            collate = MLMCollator(collate, tokenizer, t.seed, mlm.probability)
     else:
         records = read_records(cfg)
-        n_text, label_dtype = objective.num_texts, objective.label_dtype
+        n_text, label_dtype = loss.num_views(0, 0), loss.main.label_dtype
         columns = {f"text{i}": [r[i] for r in records] for i in range(n_text)}
         columns["index"] = list(range(len(records)))
         if label_dtype is not None:
@@ -349,27 +350,34 @@ def build_stream(cfg: Config, tokenizer: Any, rank: int, world: int, prefix: str
 def build_queue(cfg: Config, encoder: SentenceEncoder) -> tuple[nn.Module | None, nn.Module | None]:
     from pipeline.train.queue import MomentumEncoder, NegativeQueue, needs_forward
 
-    o = cfg.objective
-    if not get_objective(o.name).uses_queue or not o.queue_size:
+    luse = cfg.terms().config("luse")
+    if luse is None or not luse.queue_size:
         return None, None
-    queue = NegativeQueue(o.queue_size, encoder.dim)
-    return queue, (MomentumEncoder(encoder) if needs_forward(o.momentum) else None)
+    queue = NegativeQueue(luse.queue_size, encoder.dim)
+    return queue, (MomentumEncoder(encoder) if needs_forward(luse.momentum) else None)
 
 
 def build_teacher_queue(cfg: Config, queue: nn.Module | None) -> nn.Module | None:
     """With the KL term and a queue: the teacher embeddings of the queued sentences, row for row."""
     from pipeline.train.queue import NegativeQueue
 
-    o = cfg.objective
-    if queue is None or not o.kl_weight:
+    if queue is None or cfg.terms().config("kl") is None:
         return None
-    return NegativeQueue(o.queue_size, o.teacher_dim or queue.dim)
+    return NegativeQueue(queue.size, cfg.data.teacher_dim or queue.dim)
 
 
 def build_checkpointer(cfg: Config, model: nn.Module) -> Checkpointer:
     """The seam to checkpointing (pipeline/train/checkpoint.py); ``model`` is what ``prepare`` returned."""
     engine = model if cfg.train.deepspeed_config else None  # ZeRO state: the engine's own checkpoint
     return Checkpointer(cfg.run_dir, keep_last=cfg.checkpoint.keep_last, engine=engine)
+
+
+def read_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's config as this version resolves it: an ``objective:`` section of an earlier
+    version is read into ``loss`` (as loading that config would), so such a run resumes."""
+    if not any(v is not None for v in (saved.get("objective") or {}).values()):
+        return saved
+    return to_dict(from_dict(Config, saved))
 
 
 def resume(cfg: Config, trainer: Trainer) -> None:
@@ -383,7 +391,7 @@ def resume(cfg: Config, trainer: Trainer) -> None:
     path = trainer.checkpointer.latest() if cfg.resume == "auto" else Path(cfg.resume)
     if path is None:
         return
-    check_compatible(trainer.checkpointer.saved_config(path), to_dict(cfg))
+    check_compatible(read_saved_config(trainer.checkpointer.saved_config(path)), to_dict(cfg))
     trainer.checkpointer.load(path, trainer.encoder, trainer.states(), trainer.rank_states())
     log.info(
         "resumed from %s at step %d (%d samples seen)", path, trainer.state.step, trainer.state.samples_seen
@@ -404,8 +412,8 @@ def build(cfg: Config) -> Trainer:
     accelerator = build_accelerator(cfg)
     world, rank = accelerator.num_processes, accelerator.process_index
     cached = None
-    objective = get_objective(cfg.objective.name)
-    if objective.uses_variants:
+    loss = cfg.terms()
+    if loss.config("luse") is not None:
         if not Path(cfg.data.shards).is_dir():
             raise ConfigError(
                 f"data.shards: {cfg.data.shards} is not a directory; run preprocess/augment first"
@@ -425,9 +433,9 @@ def build(cfg: Config) -> Trainer:
     log.info("model: %s built in %.1f s", cfg.model.name_or_path or "scratch", time.perf_counter() - started)
     if cfg.model.freeze_embeddings:
         encoder.backbone.get_input_embeddings().requires_grad_(False)
-    head = objective.build_head(cfg.objective, encoder.dim)
+    head = loss.build_head(encoder.dim, cfg.data.teacher_dim)
     mlm_head = None
-    if cfg.objective.mlm_weight:  # after the encoder: with MLM off the initial weights are unchanged
+    if loss.config("mlm") is not None:  # after the encoder: without MLM the initial weights are unchanged
         bc = encoder.backbone.config
         mlm_head = MLMHead(encoder.dim, bc.vocab_size, getattr(bc, "layer_norm_eps", 1e-12))
     module = TrainModule(encoder, head, mlm_head).to(accelerator.device)
@@ -474,7 +482,7 @@ def build(cfg: Config) -> Trainer:
         optimizer=optimizer,
         schedule=schedule,
         stream=stream,
-        objective=objective,
+        loss=loss,
         state=TrainState(),
         metrics=metrics,
         total_steps=total,

@@ -8,17 +8,21 @@ model. Every mistake is a :class:`ConfigError` whose message says what to change
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pipeline.config import option
+import yaml
+
+from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError
-from pipeline.losses import OBJECTIVES, get_objective
-from pipeline.losses.distill import DISTILL_LOSSES
+from pipeline.losses import TERMS, Loss, build_loss
+from pipeline.losses.terms import HARD_NEGATIVES, MLM_LOGITS, TEACHER, apply_legacy_objective, as_entries
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-UNSUPERVISED = tuple(name for name, o in OBJECTIVES.items() if o.unsupervised)  # read the shards
+DEFAULT_LOSS = [{"luse": {}, "weight": 1.0}]
+log = logging.getLogger(__name__)
 
 
 def resolve_path(path: Path) -> Path:
@@ -68,6 +72,11 @@ class DataConfig:
     num_hard_negatives: int = option(
         0, "m: mined hard negatives per sentence appended after the views (at most what the shards cache)."
     )
+    teacher_dim: int = option(
+        0,
+        "Width of the shards' teacher embeddings; 0 = the student's. If it differs, the distill term "
+        "(and luse's teacher_positive) learn a projection of the student to it.",
+    )
 
     def __post_init__(self) -> None:
         if self.num_variants < 0:
@@ -86,6 +95,8 @@ class DataConfig:
             raise ConfigError("data.bucket_window must be >= 1 global batches; raise --data.bucket_window")
         if self.num_hard_negatives < 0:
             raise ConfigError("data.num_hard_negatives must be >= 0 (0 = none)")
+        if self.teacher_dim < 0:
+            raise ConfigError("data.teacher_dim must be >= 0 (0 = the student's width)")
 
 
 @dataclass
@@ -150,81 +161,30 @@ class ModelConfig:
 
 
 @dataclass
-class ObjectiveConfig:
-    name: str = option("luse", "; ".join(f"{name}: {o.summary}" for name, o in OBJECTIVES.items()) + ".")
-    temperature: float = option(
-        0.05, "Softmax temperature tau of the contrastive objectives: logits = cos / tau."
-    )
-    queue_size: int = option(
-        0, "LUSE: negatives kept from earlier steps (0 = no queue); a multiple of the batch."
-    )
-    momentum: float = option(
-        0.0, "LUSE: EMA momentum of the key encoder (e.g. 0.999); 0 = keys are the detached online view 0."
-    )
-    cosent_scale: float = option(20.0, "CoSENT: lambda, the scale of cosine differences.")
-    num_labels: int = option(3, "sbert: number of classes in the labelled pair file.")
-    mlm_weight: float = option(
-        0.0,
-        "luse/simcse: lambda of the auxiliary masked-token loss on the originals "
-        "(loss = contrastive + lambda * mlm; 0 = off).",
-    )
-    mlm_probability: float = option(
-        0.15, "Share of a sentence's tokens selected for the MLM loss (BERT: 0.15; split 80/10/10)."
-    )
-    contrastive_weight: float = option(
-        1.0, "Weight of the objective's own (contrastive) loss; 0 with a distill weight = distillation alone."
-    )
-    distill_weight: float = option(
-        0.0, "luse/simcse: weight of embedding distillation to the batch's teacher embeddings (0 = off)."
-    )
-    distill_loss: str = option("cosine", "Embedding distillation: cosine (1 - cos) or mse (of unit vectors).")
-    teacher_dim: int = option(
-        0, "Width of the teacher embeddings; 0 = the student's. If it differs, a learned projection is built."
-    )
-    kl_weight: float = option(
-        0.0, "luse/simcse: weight of KL(teacher || student) over in-batch (+ queue) similarities (0 = off)."
-    )
-    kl_teacher_temperature: float = option(0.05, "KL term: temperature of the teacher's softmax.")
-    kl_student_temperature: float = option(0.05, "KL term: temperature of the student's softmax.")
-    teacher_positive: bool = option(
-        False, "luse: the teacher embedding of each sentence is one more positive (and a candidate)."
-    )
+class LegacyObjective:
+    """The flat ``objective:`` section of earlier versions, deprecated: every field it sets is read into
+    ``loss`` (:func:`pipeline.losses.terms.apply_legacy_objective`) with a warning that shows the new
+    form. Unset fields are empty."""
 
-    def __post_init__(self) -> None:
-        objective = get_objective(self.name)
-        weights = (self.contrastive_weight, self.distill_weight, self.kl_weight)
-        if min(weights) < 0 or not any(weights):
-            raise ConfigError(
-                "objective.contrastive_weight/distill_weight/kl_weight must be >= 0 and one of them > 0"
-            )
-        if self.distill_loss not in DISTILL_LOSSES:
-            raise ConfigError(f"objective.distill_loss must be one of {', '.join(DISTILL_LOSSES)}")
-        if self.teacher_dim < 0 or self.kl_teacher_temperature <= 0 or self.kl_student_temperature <= 0:
-            raise ConfigError("objective.teacher_dim must be >= 0 and the kl temperatures > 0 (try 0.05)")
-        distills = self.distill_weight > 0 or self.kl_weight > 0 or self.teacher_positive
-        if distills and not objective.unsupervised:
-            raise ConfigError(
-                f"objective {self.name}: distillation reads teacher embeddings from the shards; "
-                "use luse or simcse, or set distill_weight/kl_weight to 0 and teacher_positive to false"
-            )
-        if self.teacher_positive and not (objective.uses_teacher_positive and self.contrastive_weight):
-            raise ConfigError("objective.teacher_positive needs objective luse with contrastive_weight > 0")
-        if self.mlm_weight < 0:
-            raise ConfigError("objective.mlm_weight must be >= 0 (0 turns the MLM loss off; try 0.1)")
-        if not 0.0 < self.mlm_probability < 1.0:
-            raise ConfigError("objective.mlm_probability must be in (0, 1) (BERT uses 0.15)")
-        if self.temperature <= 0:
-            raise ConfigError("objective.temperature must be > 0 (try 0.05)")
-        if self.queue_size < 0:
-            raise ConfigError("objective.queue_size must be >= 0")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ConfigError("objective.momentum must be in [0, 1) (0 = no momentum encoder)")
-        if not objective.uses_queue and (self.queue_size or self.momentum):
-            raise ConfigError(
-                f"objective.queue_size/momentum apply only to luse, not {self.name}; set them to 0"
-            )
-        if self.num_labels < 2:
-            raise ConfigError("objective.num_labels must be >= 2")
+    name: str | None = option(None, "Deprecated: the main loss term (luse, simcse, ...); write `loss`.")
+    temperature: float | None = option(None, "Deprecated: loss term luse/simcse/sup_simcse temperature.")
+    queue_size: int | None = option(None, "Deprecated: loss term luse queue_size.")
+    momentum: float | None = option(None, "Deprecated: loss term luse momentum.")
+    cosent_scale: float | None = option(None, "Deprecated: loss term cosent scale.")
+    num_labels: int | None = option(None, "Deprecated: loss term sbert num_labels.")
+    mlm_weight: float | None = option(None, "Deprecated: the weight of loss term mlm (0 = no such term).")
+    mlm_probability: float | None = option(None, "Deprecated: loss term mlm probability.")
+    contrastive_weight: float | None = option(None, "Deprecated: the weight of the main loss term.")
+    distill_weight: float | None = option(None, "Deprecated: the weight of loss term distill.")
+    distill_loss: str | None = option(None, "Deprecated: loss term distill loss.")
+    teacher_dim: int | None = option(None, "Deprecated: data.teacher_dim.")
+    kl_weight: float | None = option(None, "Deprecated: the weight of loss term kl.")
+    kl_teacher_temperature: float | None = option(None, "Deprecated: loss term kl teacher_temperature.")
+    kl_student_temperature: float | None = option(None, "Deprecated: loss term kl student_temperature.")
+    teacher_positive: bool | None = option(None, "Deprecated: loss term luse teacher_positive.")
+
+    def given(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if v is not None}
 
 
 @dataclass
@@ -344,11 +304,24 @@ class TrainConfig:
             raise ConfigError("train.gradcache_chunk_size/eval_every must be >= 0 and log_every >= 1")
 
 
+def term_fields(term: Any) -> str:
+    """``{field: default, ...}`` of a term's config, for --help."""
+    return "{" + ", ".join(f"{k}: {v}" for k, v in to_dict(term.config()).items()) + "}"
+
+
+LOSS_HELP = (
+    "The loss: a list of weighted terms, each `{TERM: {fields}, weight: W}` (docs/objectives.md), e.g. "
+    "[{distill: {loss: cosine}, weight: 1.0}]. Terms: "
+    + "; ".join(f"{name} {term_fields(t)}: {t.summary}" for name, t in TERMS.items())
+    + "."
+)
+
+
 @dataclass
 class Config:
     data: DataConfig = option(factory=DataConfig, help="Training data and views.")
     model: ModelConfig = option(factory=ModelConfig, help="The encoder.")
-    objective: ObjectiveConfig = option(factory=ObjectiveConfig, help="The loss.")
+    loss: list[dict[str, Any]] = option(DEFAULT_LOSS, LOSS_HELP)
     optim: OptimConfig = option(factory=OptimConfig, help="Optimizer and learning-rate schedule.")
     train: TrainConfig = option(factory=TrainConfig, help="Batching, precision, steps, logging.")
     checkpoint: CheckpointConfig = option(factory=CheckpointConfig, help="Periodic checkpoints.")
@@ -357,49 +330,71 @@ class Config:
         Path("runs/default"), "Output directory: config, logs, metrics, checkpoints, model."
     )
     resume: str = option("auto", "auto (newest valid checkpoint in run_dir, else fresh), never, or a path.")
+    objective: LegacyObjective = option(
+        factory=LegacyObjective, help="Deprecated: the old flat loss section, read into `loss`."
+    )
 
     def __post_init__(self) -> None:
-        name = self.objective.name
-        if name in UNSUPERVISED and self.data.shards is None:
-            raise ConfigError(f"objective {name} reads shards: set --data.shards to an augmented shard dir")
-        if name not in UNSUPERVISED and self.data.supervised_file is None:
-            raise ConfigError(f"objective {name} needs --data.supervised_file (a TSV/JSONL pair/triple file)")
-        o = self.objective
-        positives = self.data.num_variants + self.data.num_dropout_views
-        one_view = get_objective(name).uses_variants and positives < 1
-        if one_view and o.contrastive_weight and not o.teacher_positive:
+        self.read_legacy_objective()
+        loss = self.terms()  # checks every term's fields
+        self.loss = as_entries(loss.terms)  # every field resolved: config.yaml records the recipe
+        d, t = self.data, self.train
+        if loss.unsupervised and d.shards is None:
+            raise ConfigError("loss: its terms read shards: set --data.shards to an augmented shard dir")
+        if not loss.unsupervised and d.supervised_file is None:
+            raise ConfigError(
+                f"loss term {loss.main.name} needs --data.supervised_file (a TSV/JSONL pair/triple file)"
+            )
+        luse = loss.config("luse")
+        if luse is not None and d.num_variants + d.num_dropout_views < 1 and not luse.teacher_positive:
             raise ConfigError(
                 "luse needs at least one positive: set data.num_variants or num_dropout_views >= 1 "
-                "(or objective.contrastive_weight 0 for distillation alone, or objective.teacher_positive)"
+                "(or luse.teacher_positive; for distillation alone the loss is one distill term)"
             )
-        if (self.data.teacher is not None or self.data.num_hard_negatives) and name not in UNSUPERVISED:
+        if not loss.unsupervised and (
+            loss.reads(TEACHER) or d.teacher is not None or d.num_hard_negatives or loss.reads(MLM_LOGITS)
+        ):
             raise ConfigError(
-                f"data.teacher/num_hard_negatives come from the shards; objective {name} reads a pair file: "
-                "unset them or train luse/simcse"
+                f"loss term {loss.main.name} reads a pair file; data.teacher/num_hard_negatives and the "
+                "distill, kl and mlm terms read the shards: unset them, or use luse or simcse"
             )
-        if self.data.num_hard_negatives and not get_objective(name).uses_hard_negatives:
-            raise ConfigError(f"objective {name} takes no hard negatives; set data.num_hard_negatives to 0")
-        if self.objective.mlm_weight and name not in UNSUPERVISED:
+        if d.num_hard_negatives and not loss.reads(HARD_NEGATIVES):
             raise ConfigError(
-                f"objective.mlm_weight applies to luse and simcse only, not {name}; set it to 0"
+                "no loss term takes hard negatives (luse does); set data.num_hard_negatives to 0"
             )
-        if self.objective.mlm_weight and self.train.gradcache_chunk_size:
+        if loss.reads(MLM_LOGITS) and t.gradcache_chunk_size:
             raise ConfigError(
-                "objective.mlm_weight is not supported with train.gradcache_chunk_size; set one of them to 0"
+                "the mlm loss term is not supported with train.gradcache_chunk_size; remove one of them"
             )
-        if self.train.gradcache_chunk_size and self.train.grad_accum_steps > 1:
+        if t.gradcache_chunk_size and t.grad_accum_steps > 1:
             raise ConfigError("use either train.gradcache_chunk_size or train.grad_accum_steps > 1, not both")
 
+    def read_legacy_objective(self) -> None:
+        """Read a deprecated ``objective:`` section (or ``--objective.*`` overrides) into ``loss``."""
+        given = self.objective.given()
+        if not given:
+            return
+        if "teacher_dim" in given:
+            self.data.teacher_dim = given.pop("teacher_dim")
+            DataConfig.__post_init__(self.data)
+        self.loss = apply_legacy_objective(self.loss, given, TERMS)
+        self.objective = LegacyObjective()
+        new = yaml.safe_dump(
+            to_dict(as_entries(self.terms().terms)), default_flow_style=True, width=1000, sort_keys=False
+        )
+        log.warning(
+            "config: `objective:` is deprecated; read as `loss: %s`%s (docs/objectives.md)",
+            new.strip(),
+            " and data.teacher_dim" if self.data.teacher_dim else "",
+        )
+
+    def terms(self) -> Loss:
+        """The loss's weighted terms, parsed from ``loss``."""
+        return build_loss(self.loss)
+
     def num_views(self) -> int:
-        """Views per sentence n: LUSE 1 + k + d, SimCSE 2, the supervised ones their columns."""
-        d = self.data
-        return get_objective(self.objective.name).num_views(d.num_variants, d.num_dropout_views)
-
-
-def needs_teacher(cfg: Config) -> bool:
-    """Does the objective read ``batch["teacher"]``? (Extend here when a new term reads it.)"""
-    o = cfg.objective
-    return o.distill_weight > 0 or o.kl_weight > 0 or o.teacher_positive
+        """Views per sentence n: luse 1 + k + d, simcse 2, the supervised ones their texts, else 1."""
+        return self.terms().num_views(self.data.num_variants, self.data.num_dropout_views)
 
 
 def check_against_environment(cfg: Config, world_size: int, cached_variants: int | None) -> None:
@@ -412,13 +407,10 @@ def check_against_environment(cfg: Config, world_size: int, cached_variants: int
             f"train.global_batch_size ({per_rank}) must be divisible by world size x grad_accum_steps "
             f"({world_size} x {accum} = {world_size * accum}); pick a multiple of {world_size * accum}"
         )
-    if cfg.objective.queue_size:
-        validate_queue_size(cfg.objective.queue_size, per_rank // accum)
-    if (
-        get_objective(cfg.objective.name).uses_variants
-        and cached_variants is not None
-        and cfg.data.num_variants > cached_variants
-    ):
+    luse = cfg.terms().config("luse")
+    if luse is not None and luse.queue_size:
+        validate_queue_size(luse.queue_size, per_rank // accum)
+    if luse is not None and cached_variants is not None and cfg.data.num_variants > cached_variants:
         raise ConfigError(
             f"data.num_variants={cfg.data.num_variants} but the shards in {cfg.data.shards} cache "
             f"{cached_variants} variants per sentence; set --data.num_variants <= {cached_variants} "

@@ -2,7 +2,7 @@
 
 One host sync per step, the non-finite guard's verdict (two numbers: is the step finite on every rank,
 and its loss; ``guard.max_nonfinite_steps: 0`` removes it); otherwise losses stay on the device and are
-read back only at log steps. Collectives (loss gather in the objective, queue enqueue, the guard's
+read back only at log steps. Collectives (the loss terms' gathers, queue enqueue, the guard's
 all-reduce, the all-reduce of the logged loss, the checkpoint decision) happen at the same steps on
 every rank because every decision depends only on the step counter or on a value all ranks agreed on.
 """
@@ -23,8 +23,7 @@ from tqdm.auto import tqdm
 from pipeline import distributed as dist
 from pipeline.config import to_dict
 from pipeline.evaluate.sts import score_pairs
-from pipeline.losses import LossInputs
-from pipeline.losses.mlm import compute_loss as mlm_loss
+from pipeline.losses import StepOutput
 from pipeline.train.build import Trainer
 from pipeline.train.gradcache import chunked_forward_backward
 from pipeline.train.guard import NonFiniteError, SpikeDetector, grad_norm, step_verdict
@@ -42,25 +41,40 @@ def rows_per_sentence(batch: dict[str, Any]) -> int:
     return batch["num_views"] + batch.get("num_hard_negatives", 0)
 
 
-def compute_objective(t: Trainer, rows: torch.Tensor, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The objective's weighted ``loss`` and its parts over one micro-batch's encoded rows (N, H).
+def compute_objective(
+    t: Trainer, encoded: torch.Tensor | tuple[torch.Tensor, torch.Tensor], batch: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The loss's weighted total ``loss`` and each term's value over one micro-batch's step output.
 
-    Rows [0, n*B) are the n views, rows [n*B, (n+m)*B) the m hard negatives of each sentence.
+    ``encoded`` is what the model's forward returned: the rows (N, H), or (rows, MLM logits (B, L, V))
+    when the model has an MLM head. Rows [0, n*B) are the n views, rows [n*B, (n+m)*B) the m hard
+    negatives of each sentence.
     """
+    rows, mlm_logits = encoded if isinstance(encoded, tuple) else (encoded, None)
     n, m = batch["num_views"], batch.get("num_hard_negatives", 0)
     b = rows.shape[0] // (n + m)
     device = rows.device
-    labels, teacher = batch.get("labels"), batch.get("teacher")
-    inputs = LossInputs(
-        t.cfg.objective,
-        labels=None if labels is None else labels.to(device),
-        head=t.module.head,
-        queue=t.queue.negatives() if t.queue is not None else None,  # (filled, H)
-        teacher=None if teacher is None else teacher.to(device, non_blocking=True),  # (B, D_t)
-        teacher_queue=t.teacher_queue.negatives() if t.teacher_queue is not None else None,
+    labels, teacher, mlm_labels = batch.get("labels"), batch.get("teacher"), batch.get("mlm_labels")
+    out = StepOutput(
+        views=rows[: n * b].view(n, b, rows.shape[-1]),  # (n, B, H)
         hard_negatives=rows[n * b :].view(m, b, rows.shape[-1]) if m else None,  # (m, B, H)
+        labels=None if labels is None else labels.to(device),
+        teacher=None if teacher is None else teacher.to(device, non_blocking=True),  # (B, D_t)
+        queue=t.queue.negatives() if t.queue is not None else None,  # (filled, H)
+        teacher_queue=t.teacher_queue.negatives() if t.teacher_queue is not None else None,
+        mlm_logits=mlm_logits,
+        mlm_labels=None if mlm_logits is None else mlm_labels.to(device, non_blocking=True),  # (B, L)
+        head=t.module.head,
     )
-    return t.objective.loss(rows[: n * b].view(n, b, rows.shape[-1]), inputs)  # views (n, B, H)
+    return t.loss(out)
+
+
+def forward(t: Trainer, inputs: dict[str, torch.Tensor], mb: dict[str, Any]) -> Any:
+    """The model's forward of one micro-batch: rows (N, H), with an MLM head also the logits (B, L, V)
+    of the masked originals (in the same forward, so DDP sees each parameter used once per step)."""
+    if t.module.mlm_head is None:
+        return t.model(**inputs)
+    return t.model(**inputs, mlm_input_ids=mb["mlm_input_ids"].to(t.accelerator.device, non_blocking=True))
 
 
 def micro_batches(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
@@ -142,17 +156,16 @@ def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, Any]:
     for mb in mbs:
         inputs = {k: mb[k].to(acc.device, non_blocking=True) for k in ("input_ids", "attention_mask")}
         with acc.accumulate(t.model):
-            if cfg.train.gradcache_chunk_size:
+            if cfg.train.gradcache_chunk_size:  # the same loss over rows encoded chunk by chunk
                 part, rows = chunked_forward_backward(
                     t.model, acc.backward, inputs, cfg.train.gradcache_chunk_size,
                     lambda rows: compute_objective(t, rows, mb),
                 )  # fmt: skip
-            elif t.module.mlm_head is not None:
-                part, rows = mlm_forward_backward(t, inputs, mb)
             else:
-                rows = t.model(**inputs)  # (N, H): n views then m hard negatives, B rows each
-                part = compute_objective(t, rows, mb)
+                encoded = forward(t, inputs, mb)
+                part = compute_objective(t, encoded, mb)
                 acc.backward(part["loss"])
+                rows = encoded[0] if isinstance(encoded, tuple) else encoded  # (N, H): n views, m negatives
             parts.append({k: v.detach() for k, v in part.items()})
             norm = None
             if acc.sync_gradients and cfg.optim.grad_clip and acc.distributed_type.value != "DEEPSPEED":
@@ -170,7 +183,7 @@ def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, Any]:
             queue.load_state_dict(state)
     else:
         if t.momentum_encoder is not None:
-            t.momentum_encoder.update(t.module.encoder, cfg.objective.momentum)
+            t.momentum_encoder.update(t.module.encoder, t.loss.config("luse").momentum)
         t.state.step += 1
         t.state.samples_seen += cfg.train.global_batch_size
     n, b = mb["num_views"], rows.shape[0] // rows_per_sentence(mb)
@@ -182,24 +195,6 @@ def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, Any]:
     if check is not None:
         out["check"] = check
     return out
-
-
-def mlm_forward_backward(
-    t: Trainer, inputs: dict[str, torch.Tensor], mb: dict[str, Any]
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """objective + lambda * MLM on one micro-batch (luse/simcse); one backward of the sum.
-
-    Returns the parts (``loss`` the total, the objective's parts, ``mlm``) and the encoded rows (N, H).
-    """
-    device = t.accelerator.device
-    rows, logits = t.model(**inputs, mlm_input_ids=mb["mlm_input_ids"].to(device, non_blocking=True))
-    parts = compute_objective(t, rows, mb)
-    if len(parts) == 2:  # the objective alone: name its one part as before
-        parts = {"loss": parts["loss"], "contrastive": parts["loss"]}
-    mlm = mlm_loss(logits, mb["mlm_labels"].to(device, non_blocking=True))  # logits (B, L, V)
-    loss = parts["loss"] + t.cfg.objective.mlm_weight * mlm
-    t.accelerator.backward(loss)
-    return {**parts, "loss": loss, "mlm": mlm}, rows
 
 
 def log_step(t: Trainer, out: dict[str, torch.Tensor], throughput: Throughput, bar: Any) -> None:

@@ -1,0 +1,268 @@
+"""The training loss as a list of weighted terms (as sentence-transformers' trainer sums a dict of losses).
+
+A run's loss is ``sum_i weight_i * term_i(step output)``, written in the training config as::
+
+    loss:
+      - luse: {temperature: 0.05, queue_size: 256, momentum: 0.995}
+        weight: 1.0
+      - mlm: {probability: 0.15}
+        weight: 0.1
+
+Each term lives beside its formula (one file per loss) as a :class:`Term`: its small config dataclass,
+what it reads from the step's :class:`StepOutput` (views, pairs, labels, teacher, hard negatives, queue,
+MLM logits) and its loss. The model step produces one :class:`StepOutput`; :class:`Loss` evaluates
+every term on it and sums; the trainer and GradCache call only :meth:`Loss.__call__`. ``TERMS``
+(pipeline/losses/__init__.py) is the registry, the one list of term names.
+
+At most one term is a *main* term: it decides the data and the views of a batch (luse: original +
+cached EDA variants + dropout views from the shards; simcse: two dropout views; sup_simcse, cosent,
+sbert: the texts of a supervised file). Distillation, KL and MLM read the originals (view 0) of the
+shards' batches; with no main term (distillation alone) a batch holds the originals only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.errors import ConfigError, InputError
+
+# What a term may read from a StepOutput (Term.reads).
+VIEWS, PAIRS, LABELS, TEACHER = "views", "pairs", "labels", "teacher"
+HARD_NEGATIVES, QUEUE, MLM_LOGITS = "hard_negatives", "queue", "mlm_logits"
+
+
+@dataclass
+class StepOutput:
+    """Everything one (micro-)batch's model step gives the loss, for this rank."""
+
+    views: torch.Tensor  # (n_views, B, H) L2-normalised: the views of each sentence (or a pair's texts)
+    hard_negatives: torch.Tensor | None = None  # (m, B, H): negative j of sentence b at [j, b]
+    labels: torch.Tensor | None = None  # (B,) scores or class ids (the supervised terms)
+    teacher: torch.Tensor | None = None  # (B, D_t) teacher embeddings of the originals
+    queue: torch.Tensor | None = None  # (Q, H) student keys of earlier steps, identical on every rank
+    teacher_queue: torch.Tensor | None = None  # (Q, D_t) teacher embeddings of the queued sentences
+    mlm_logits: torch.Tensor | None = None  # (B, L, V) the MLM head over the masked originals
+    mlm_labels: torch.Tensor | None = None  # (B, L) token ids at the masked positions, -100 elsewhere
+    head: nn.Module | None = None  # the trainable head (sbert classifier or the teacher projection)
+    gather: bool = True  # gather candidates across ranks (a collective)
+
+
+@dataclass(frozen=True)
+class Term:
+    """One term of the loss: its config, what it reads, its formula."""
+
+    name: str  # the key in the config's ``loss`` list
+    summary: str  # one line for --help and docs
+    config: type  # its config dataclass (fields documented with ``option``)
+    loss: Callable[[Any, StepOutput], torch.Tensor]  # (its config, the step output) -> scalar
+    reads: Callable[[Any], frozenset[str]]  # what it reads, given its config
+    part: str  # the logged name of its value (``{part}_loss``): contrastive, distill, kl, mlm
+    data: str | None = None  # a main term's data: "shards", "pairs" or "triples"; None: the shards' originals
+    num_views: Callable[[int, int], int] | None = None  # a main term: (k variants, d dropout views) -> n
+    uses_variants: bool = False  # its views are the original, the k cached variants, d dropout views
+    label_dtype: torch.dtype | None = None  # labels of a supervised file (None: no label column)
+    make_head: Callable[[Any, int], nn.Module] | None = None  # (its config, dim): a head of its own
+    projects: Callable[[Any], bool] = lambda config: False  # compares student and teacher vectors
+
+
+@dataclass(frozen=True)
+class WeightedTerm:
+    term: Term
+    config: Any  # an instance of term.config
+    weight: float
+
+
+class Loss:
+    """The weighted sum of a run's terms; ``loss(output)`` gives the total and each term's value."""
+
+    def __init__(self, terms: list[WeightedTerm]):
+        self.terms = terms
+        main = [t.term for t in terms if t.term.data is not None]
+        self.main: Term | None = main[0] if main else None
+
+    def config(self, name: str) -> Any:
+        """The config of term ``name``, or None when the run has no such term."""
+        return next((t.config for t in self.terms if t.term.name == name), None)
+
+    @property
+    def data(self) -> str:
+        """Where the batches come from: "shards", "pairs" or "triples"."""
+        return self.main.data if self.main is not None else "shards"
+
+    @property
+    def unsupervised(self) -> bool:
+        return self.data == "shards"
+
+    def reads(self, what: str) -> bool:
+        return any(what in t.term.reads(t.config) for t in self.terms)
+
+    def num_views(self, num_variants: int, num_dropout_views: int) -> int:
+        """Views per sentence n: the main term's; the originals alone without one."""
+        if self.main is None:
+            return 1
+        return self.main.num_views(num_variants, num_dropout_views)
+
+    def shard_views(self, num_variants: int, num_dropout_views: int) -> tuple[int, int]:
+        """(cached variants, dropout re-encodings) a shards batch carries after each original."""
+        if self.main is not None and self.main.uses_variants:
+            return num_variants, num_dropout_views
+        return 0, self.num_views(num_variants, num_dropout_views) - 1
+
+    def build_head(self, dim: int, teacher_dim: int) -> nn.Module | None:
+        """The trainable head: the main term's own (sbert), else the student->teacher projection when a
+        term compares student and teacher vectors of different widths (trained, never exported)."""
+        from pipeline.model.heads import projection_head
+
+        for t in self.terms:
+            if t.term.make_head is not None:
+                return t.term.make_head(t.config, dim)
+        projects = any(t.term.projects(t.config) for t in self.terms)
+        if projects and teacher_dim and teacher_dim != dim:
+            return projection_head(dim, teacher_dim)
+        return None
+
+    def __call__(self, out: StepOutput) -> dict[str, torch.Tensor]:
+        """``loss`` (the weighted total) and each term's value under its ``part`` name."""
+        if out.teacher is None and self.reads(TEACHER):
+            raise InputError(
+                "loss: a term reads teacher embeddings but the batch has no teacher embeddings; add a "
+                "`teacher` column to the shards (the teacher stage) or remove the distill/kl terms and "
+                "luse.teacher_positive"
+            )
+        if out.hard_negatives is not None and not self.reads(HARD_NEGATIVES):
+            raise InputError("loss: hard negatives in the batch but no term reads them; use luse")
+        parts = {t.term.part: t.term.loss(t.config, out) for t in self.terms}
+        total: Any = sum(t.weight * parts[t.term.part] for t in self.terms)
+        return {"loss": total, **parts}
+
+
+# ------------------------------------------------------------------------------------------- config
+def parse_terms(entries: list[dict[str, Any]], registry: dict[str, Term]) -> list[WeightedTerm]:
+    """The config's ``loss`` list as weighted terms; every mistake a ConfigError naming the entry."""
+    from pipeline.config import from_dict
+
+    form = "each entry is {TERM: {fields}, weight: W}, TERM one of " + ", ".join(registry)
+    if not entries:
+        raise ConfigError(f"loss: no terms; {form} (docs/objectives.md)")
+    out: list[WeightedTerm] = []
+    for i, entry in enumerate(entries):
+        key = f"loss[{i}]"
+        names = [k for k in entry if k != "weight"] if isinstance(entry, dict) else []
+        if len(names) != 1:
+            raise ConfigError(f"{key}: expected one term and a weight, got {entry!r}; {form}")
+        name = names[0]
+        if name not in registry:
+            raise ConfigError(f"{key}: unknown term {name!r}; {form}")
+        fields = entry[name] or {}
+        if not isinstance(fields, dict):
+            raise ConfigError(f"{key}.{name}: expected a mapping of fields, got {fields!r}")
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
+            raise ConfigError(
+                f"{key}.weight of term {name} must be a number > 0, got {weight!r}; "
+                "remove the term to turn it off"
+            )
+        term = registry[name]
+        out.append(WeightedTerm(term, from_dict(term.config, fields, prefix=f"{key}.{name}."), float(weight)))
+    seen = [t.term.name for t in out]
+    if len(set(seen)) != len(seen):
+        raise ConfigError(f"loss: a term appears twice ({', '.join(seen)}); merge the entries")
+    main = [t.term.name for t in out if t.term.data is not None]
+    if len(main) > 1:
+        raise ConfigError(
+            f"loss: {' and '.join(main)} each decide the batch's data and views; keep one of them"
+        )
+    return out
+
+
+def as_entries(terms: list[WeightedTerm]) -> list[dict[str, Any]]:
+    """The weighted terms back as config entries, every field resolved (what config.yaml records)."""
+    from pipeline.config import to_dict
+
+    return [{t.term.name: to_dict(t.config), "weight": t.weight} for t in terms]
+
+
+# The flat ``objective:`` section of earlier versions, field -> (term, field of the term's config).
+LEGACY_TERM_FIELDS = {
+    "temperature": ("main", "temperature"),
+    "queue_size": ("main", "queue_size"),
+    "momentum": ("main", "momentum"),
+    "teacher_positive": ("main", "teacher_positive"),
+    "cosent_scale": ("main", "scale"),
+    "num_labels": ("main", "num_labels"),
+    "distill_loss": ("distill", "loss"),
+    "kl_teacher_temperature": ("kl", "teacher_temperature"),
+    "kl_student_temperature": ("kl", "student_temperature"),
+    "mlm_probability": ("mlm", "probability"),
+}
+LEGACY_WEIGHTS = {
+    "contrastive_weight": "main",
+    "distill_weight": "distill",
+    "kl_weight": "kl",
+    "mlm_weight": "mlm",
+}
+LEGACY_STRICT = ("queue_size", "momentum", "teacher_positive")  # change the run: never dropped silently
+ORDER = ("main", "distill", "kl", "mlm")  # the order the old objective summed its parts in
+
+
+def apply_legacy_objective(
+    entries: list[dict[str, Any]], legacy: dict[str, Any], registry: dict[str, Term]
+) -> list[dict[str, Any]]:
+    """The ``loss`` entries after the set fields of the deprecated ``objective`` section.
+
+    The section patches the list as the old objective would have read: ``name`` picks the main term,
+    a ``*_weight`` of 0 removes its term and > 0 sets (or adds) it, the other fields set the field of
+    their term and are ignored when the run has no such term (the old section carried every field),
+    except a queue, a momentum encoder or a teacher positive without a luse term: a ConfigError.
+    """
+    slots: dict[str, dict[str, Any]] = {}
+    for entry in entries:
+        name = next(k for k in entry if k != "weight")
+        slot = "main" if registry[name].data is not None else name
+        slots[slot] = {"name": name, "fields": dict(entry[name] or {}), "weight": entry.get("weight", 1.0)}
+    if legacy.get("name") is not None:
+        if legacy["name"] not in registry or registry[legacy["name"]].data is None:
+            mains = [n for n, t in registry.items() if t.data is not None]
+            raise ConfigError(
+                f"objective.name: unknown objective {legacy['name']!r}; one of {', '.join(mains)}"
+            )
+        old = slots.get("main")
+        keep = old["name"] == legacy["name"] if old else False
+        slots["main"] = {
+            "name": legacy["name"],
+            "fields": old["fields"] if keep else {},
+            "weight": old["weight"] if old else 1.0,
+        }
+    for key, slot in LEGACY_WEIGHTS.items():
+        weight = legacy.get(key)
+        if weight is None:
+            continue
+        if weight < 0:
+            raise ConfigError(f"objective.{key} must be >= 0")
+        if not weight:
+            slots.pop(slot, None)
+        elif slot in slots:
+            slots[slot]["weight"] = weight
+        else:
+            name = "luse" if slot == "main" else slot
+            slots[slot] = {"name": name, "fields": {}, "weight": weight}
+    for key, (slot, field) in LEGACY_TERM_FIELDS.items():
+        value = legacy.get(key)
+        if value is None:
+            continue
+        target = slots.get(slot)
+        fields = {f.name for f in dataclasses.fields(registry[target["name"]].config)} if target else set()
+        if field in fields:
+            target["fields"][field] = value
+        elif key in LEGACY_STRICT and value:
+            raise ConfigError(
+                f"objective.{key} applies to luse only; add a luse term to `loss` or set it to 0 "
+                "(docs/objectives.md)"
+            )
+    return [{slots[s]["name"]: slots[s]["fields"], "weight": slots[s]["weight"]} for s in ORDER if s in slots]

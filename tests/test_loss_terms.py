@@ -1,0 +1,94 @@
+"""The loss as a list of weighted terms: parsing, one-line errors, and configs of earlier versions (the flat
+``objective:`` section) read into the same runs, resumes and model cards."""
+
+import logging
+
+import pytest
+import yaml
+
+from pipeline.config import load_config, to_dict
+from pipeline.errors import ConfigError
+from pipeline.losses import trained_loss
+from pipeline.train.build import read_saved_config
+from pipeline.train.config import PROJECT_ROOT, Config
+
+CONFIGS = PROJECT_ROOT / "launch" / "configs"
+
+# launch/configs/distill.yaml and default.yaml as earlier versions wrote them (their objective sections)
+OLD_DISTILL = {"name": "luse", "contrastive_weight": 0.0, "distill_weight": 1.0, "distill_loss": "cosine",
+               "teacher_dim": 384}  # fmt: skip
+OLD_DEFAULT = {"name": "luse", "temperature": 0.05, "queue_size": 256, "momentum": 0.995}
+
+
+def old_form(path, objective, tmp_path):
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    data.pop("loss")
+    data["data"].pop("teacher_dim", None)
+    data["objective"] = objective
+    out = tmp_path / path.name
+    out.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return out
+
+
+@pytest.mark.parametrize("name, objective", [("distill.yaml", OLD_DISTILL), ("default.yaml", OLD_DEFAULT)])
+def test_an_old_config_reads_as_the_shipped_new_one(tmp_path, caplog, name, objective):
+    with caplog.at_level(logging.WARNING, logger="pipeline.train.config"):
+        old = load_config(Config, old_form(CONFIGS / name, objective, tmp_path))
+    new = load_config(Config, CONFIGS / name)
+    assert to_dict(old) == to_dict(new)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "`objective:` is deprecated; read as `loss: [{" in warnings[0]
+    # the old dotted overrides still apply to a config of the new form
+    over = load_config(
+        Config, CONFIGS / "debug.yaml", {"objective.name": "simcse", "objective.queue_size": 0}
+    )
+    assert over.loss == [{"simcse": {"temperature": 0.05}, "weight": 1.0}]
+
+
+def test_distillation_alone_is_one_term_with_one_view():
+    cfg = load_config(Config, CONFIGS / "distill.yaml")
+    assert cfg.loss == [{"distill": {"loss": "cosine"}, "weight": 1.0}]
+    assert cfg.terms().main is None and cfg.num_views() == 1 and cfg.data.teacher_dim == 384
+
+
+@pytest.mark.parametrize(
+    "loss, message",
+    [
+        ([], "loss: no terms"),
+        ([{"luse": {"temprature": 0.1}}], "unknown config key 'loss\\[0\\].luse.temprature'. Did you mean"),
+        ([{"luse": {}}, {"luse": {}}], "appears twice"),
+        ([{"luse": {}}, {"simcse": {}}], "luse and simcse each decide"),
+        ([{"luse": {}, "mlm": {}}], "expected one term and a weight"),
+        ([{"kl": {"teacher_temperature": 0}}], "kl.teacher_temperature"),
+        ([{"luse": {}}, {"mlm": {}, "weight": "high"}], "weight of term mlm must be a number > 0"),
+    ],
+)
+def test_bad_terms_are_one_line_errors(tmp_path, loss, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(Config, CONFIGS / "debug.yaml", {"data.shards": str(tmp_path), "loss": loss})
+    assert "\n" not in str(info.value)
+
+
+def test_old_fields_that_would_change_the_run_are_refused_without_luse(tmp_path):
+    base = {"data.shards": str(tmp_path), "loss": [{"simcse": {}}]}
+    with pytest.raises(ConfigError, match="objective.queue_size applies to luse only"):
+        load_config(Config, CONFIGS / "debug.yaml", {**base, "objective.queue_size": 32})
+    # an old field of a term the run does not have, at any value, changed nothing before either
+    cfg = load_config(Config, CONFIGS / "debug.yaml", {**base, "objective.distill_loss": "mse"})
+    assert cfg.loss == [{"simcse": {"temperature": 0.05}, "weight": 1.0}]
+
+
+def test_a_checkpoint_of_an_old_config_resumes_and_its_card_names_what_was_trained(tmp_path):
+    # config.yaml of an earlier version's distillation run: every field of its objective section written
+    every = {"temperature": 0.05, "queue_size": 0, "momentum": 0.0, "cosent_scale": 20.0, "num_labels": 3,
+             "mlm_weight": 0.0, "mlm_probability": 0.15, "kl_weight": 0.0, "kl_teacher_temperature": 0.05,
+             "kl_student_temperature": 0.05, "teacher_positive": False}  # fmt: skip
+    saved = yaml.safe_load(old_form(CONFIGS / "distill.yaml", {**every, **OLD_DISTILL}, tmp_path).read_text())
+    new = load_config(Config, CONFIGS / "distill.yaml")
+    assert read_saved_config(saved) == to_dict(new)  # so check_compatible finds no difference
+    # issue 24: the distillation run's card said "objective: luse, temperature 0.05"
+    card = trained_loss({"objective": {**OLD_DISTILL, "temperature": 0.05}})
+    assert card["loss"] == "distill (loss: cosine)" and card["terms"] == ["distill"]
+    assert card["objective"] is None and card["temperature"] is None
+    mixed = trained_loss({"loss": [{"luse": {"queue_size": 256}, "weight": 1.0}, {"mlm": {}, "weight": 0.1}]})
+    assert mixed["loss"] == "luse (queue_size: 256) + 0.1 x mlm" and mixed["queue_size"] == 256
