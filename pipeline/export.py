@@ -42,6 +42,7 @@ import yaml
 
 from pipeline.config import option
 from pipeline.errors import ConfigError, InputError
+from pipeline.losses import trained_loss
 
 log = logging.getLogger(__name__)
 
@@ -521,14 +522,16 @@ def _get(data: dict[str, Any], dotted: str) -> Any:
 
 def recipe_rows(config: dict[str, Any], checkpoint_info: dict[str, Any]) -> list[tuple[str, Any]]:
     """The training recipe as (what, value) rows; fields the config lacks are left out."""
+    loss = trained_loss(config)  # the terms trained; an earlier version's `objective:` read as training did
     rows = [
         ("corpus", _get(config, "data.shards")),
-        ("objective", _get(config, "objective.name")),
-        ("temperature", _get(config, "objective.temperature")),
+        ("loss", loss["loss"]),
+        ("objective", loss["objective"]),
+        ("temperature", loss["temperature"]),
         ("augmented views per sentence (k)", _get(config, "data.num_variants")),
         ("dropout views (d)", _get(config, "data.num_dropout_views")),
-        ("negative queue size", _get(config, "objective.queue_size")),
-        ("momentum encoder", _get(config, "objective.momentum")),
+        ("negative queue size", loss["queue_size"]),
+        ("momentum encoder", loss["momentum"]),
         ("global batch size", _get(config, "train.global_batch_size")),
         ("peak learning rate", _get(config, "optim.lr")),
         ("max steps (config)", _get(config, "train.max_steps")),
@@ -551,14 +554,14 @@ def model_card(
     from pipeline.evaluate.resolve import describe
     from pipeline.evaluate.tables import markdown_table, result_markdown
 
-    objective = _get(config, "objective.name")
+    terms = trained_loss(config)["terms"]
     metadata = {
         "language": ["zh"],
         "license": license,
         "library_name": "sentence-transformers",
         "pipeline_tag": "sentence-similarity",
         "tags": ["sentence-transformers", "sentence-similarity", "feature-extraction", "chinese"]
-        + ([str(objective)] if objective else []),
+        + terms,
     }
     front = yaml.safe_dump(metadata, allow_unicode=True, sort_keys=False)
     name = repo_id or "PATH/TO/THIS/FOLDER"
