@@ -240,6 +240,7 @@ def write_module_files(
     prompts: dict[str, str] | None = None,
     default_prompt_name: str | None = None,
     dense: dict[str, Any] | None = None,
+    model_args: dict[str, Any] | None = None,
 ) -> None:
     """The sentence-transformers files around the transformer in ``out`` (also used by ``models fetch``).
 
@@ -259,7 +260,10 @@ def write_module_files(
         weights = torch.zeros(num_layers)  # one weight per layer 1..L: keep the first and the last
         weights[0] = weights[-1] = 1.0
         save_file({"layer_weights": weights}, str(out / "1_WeightedLayerPooling" / "model.safetensors"))
-    _write_json(out / "sentence_bert_config.json", {"max_seq_length": max_length, "do_lower_case": False})
+    settings: dict[str, Any] = {"max_seq_length": max_length, "do_lower_case": False}
+    if model_args:  # passed to the transformer's from_pretrained (the key every 2.x-6.x release reads)
+        settings["model_args"] = dict(model_args)
+    _write_json(out / "sentence_bert_config.json", settings)
     _write_json(
         out / "config_sentence_transformers.json",
         {

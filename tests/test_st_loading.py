@@ -23,7 +23,7 @@ def offline(monkeypatch):
 
 
 @pytest.mark.parametrize("pooling", ["cls", "mean", "first_last_avg"])
-def test_a_saved_model_folder_gives_our_vectors_in_sentence_transformers(tmp_path, pooling):
+def test_a_saved_model_folder_gives_our_vectors_in_sentence_transformers(tmp_path, pooling, caplog):
     """SentenceEncoder.save_pretrained is what the trainer writes (RUN/model, checkpoints' model/)."""
     from sentence_transformers import SentenceTransformer
 
@@ -36,7 +36,11 @@ def test_a_saved_model_folder_gives_our_vectors_in_sentence_transformers(tmp_pat
     assert json.loads((folder / "encoder.json").read_text())["prefix"] == "query: "  # our reader's rule
 
     ours = SentenceEncoder.from_pretrained(folder).encode(SENTENCES)
+    caplog.set_level(logging.WARNING, logger="transformers.modeling_utils")
     st = SentenceTransformer(str(folder), device="cpu")
+    # built without the pooler the weights lack (sentence_bert_config model_args): no load report at all
+    assert not [r for r in caplog.records if "LOAD REPORT" in r.getMessage()]
+    assert getattr(st[0].model, "pooler", None) is None
     assert st.max_seq_length == 20 and st.default_prompt_name == "query"
     theirs = st.encode(SENTENCES, batch_size=4)
     assert np.abs(theirs - ours).max() <= 1e-5

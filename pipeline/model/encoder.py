@@ -14,8 +14,8 @@ refuses them (``python -m pipeline export`` writes them).
 :meth:`SentenceEncoder.save_pretrained` also writes the sentence-transformers module files of the same
 rule (``modules.json``, Pooling, Normalize, the prefix as default prompt), so that
 ``SentenceTransformer(folder)`` on a training or checkpoint folder returns our vectors. The weights
-stay the trainer's (no pooler): sentence-transformers then reports BERT's unused pooler as newly
-initialised, which does not touch the sentence embedding; ``export`` writes a folder without that note.
+stay the trainer's (no pooler); ``sentence_bert_config.json`` asks sentence-transformers to build the
+model without one (``model_args: {"add_pooling_layer": false}``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from pipeline.model.rules import ENCODER_FILE, POOLING_HELP, read_dense_weights,
 
 Pooling = Literal["cls", "mean", "first_last_avg"]
 POOLINGS: tuple[str, ...] = ("cls", "mean", "first_last_avg")
+# transformers models whose constructor takes add_pooling_layer (the pooler we never use)
+POOLER_ARCHITECTURES = ("bert", "roberta", "xlm-roberta")
 __all__ = ["ENCODER_FILE", "POOLINGS", "SentenceEncoder", "pool"]
 
 
@@ -247,9 +249,15 @@ class SentenceEncoder(nn.Module):
         # our vectors (prefix as the default prompt, our pooling, max length) instead of silently
         # building mean pooling without the prefix. encoder.json stays what our reader uses.
         prompts = {"query": self.prefix} if self.prefix else {}
+        # The weights hold no pooler (resume compares keys strictly): ask sentence-transformers to build
+        # BERT without one too, rather than report it as missing and newly initialised.
+        no_pooler = (
+            config.model_type in POOLER_ARCHITECTURES and getattr(self.backbone, "pooler", None) is None
+        )
         write_module_files(
             directory, self.pooling, int(config.hidden_size), int(config.num_hidden_layers), self.max_length,
             prompts, "query" if prompts else None,
+            model_args={"add_pooling_layer": False} if no_pooler else None,
         )  # fmt: skip
 
     @classmethod
