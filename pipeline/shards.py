@@ -23,6 +23,7 @@ import io
 import tarfile
 import zlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -387,6 +388,62 @@ def new_manifest(stage: str, config: dict[str, Any], shards: list[dict[str, Any]
         "totals": totals,
         **extra,
     }
+
+
+@dataclass(frozen=True)
+class ShardSet:
+    """What a reader of a shard set needs to know, from its ``manifest.json`` read once
+    (:func:`read_shard_set`); the trainer checks its config against this record."""
+
+    directory: Path
+    manifest: dict[str, Any]  # the whole manifest, for the block index (set_index) and the shard list
+    stage: str | None  # the stage that wrote the set: preprocess, augment, teacher, tokenize
+    num_variants: int  # EDA variants cached per sentence (augment's k; 0 without a variants column)
+    teacher: dict[str, Any] | None  # the teacher stage's record: name, path, hash, dim, dtype, ...
+    hard_negatives: int  # mined hard negatives cached per sentence (0 = none)
+    tokenizer: dict[str, Any] | None  # the tokenize stage's record (hash, name, prefix, max_length)
+    has_index: bool  # a block index for the whole set (shard-blocks.idx)
+
+    @property
+    def teacher_dim(self) -> int | None:
+        return None if self.teacher is None else self.teacher.get("dim")
+
+
+def read_shard_set(directory: str | Path | ShardSet) -> ShardSet:
+    """The manifest of the shard set in ``directory`` as a :class:`ShardSet` (a ShardSet is returned as is).
+
+    ``num_variants`` is augment's recorded k: in the manifest's ``config`` (augment), or in the
+    ``input_config`` a later stage (teacher, tokenize) carries from its augmented input; when neither
+    records it (a stage over a stage), the longest variant list of the first block.
+    """
+    from pipeline.errors import ConfigError
+
+    if isinstance(directory, ShardSet):
+        return directory
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ConfigError(f"data.shards: {directory} is not a directory; run preprocess/augment first")
+    manifest = read_manifest(directory)
+    k = None
+    for config in (manifest.get("config"), manifest.get("input_config")):
+        if isinstance(config, dict) and isinstance(config.get("num_variants"), int):
+            k = config["num_variants"]
+            break
+    if k is None and manifest.get("shards"):  # not recorded (a stage over a stage over augment): one block
+        for _, table in iter_blocks(directory / manifest["shards"][0]["name"]):
+            variants = table.column("variants").to_pylist() if "variants" in table.column_names else []
+            k = max((len(v) for v in variants), default=0)
+            break
+    return ShardSet(
+        directory=directory,
+        manifest=manifest,
+        stage=manifest.get("stage"),
+        num_variants=k or 0,
+        teacher=manifest.get("teacher"),
+        hard_negatives=int((manifest.get("hard_negatives") or {}).get("k", 0)),
+        tokenizer=manifest.get("tokenizer"),
+        has_index=manifest.get("index") is not None,
+    )
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:

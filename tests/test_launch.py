@@ -69,12 +69,13 @@ def test_config_mistakes_fail_before_training_with_one_line(tmp_path, shards, ca
 
 def test_world_size_check(shards):
     from pipeline.errors import ConfigError
-    from pipeline.train.config import check_against_environment
+    from pipeline.shards import read_shard_set
+    from pipeline.train.config import check_against_data
 
     cfg = load_config(Config, DEBUG, {"data.shards": str(shards)})
-    check_against_environment(cfg, 2, 2)
+    check_against_data(cfg, read_shard_set(shards), 2)
     with pytest.raises(ConfigError, match=r"world size x grad_accum_steps \(3 x 1 = 3\)"):
-        check_against_environment(cfg, 3, 2)
+        check_against_data(cfg, read_shard_set(shards), 3)
 
 
 def test_missing_shards_cli_exit_code_and_no_traceback(tmp_path):

@@ -372,3 +372,23 @@ def test_the_readme_snippet_reads_the_columns(taught, monkeypatch):
     last = list(read_shard(taught / "shard-000000.tar"))[-1]  # the snippet's loop ends on it
     np.testing.assert_array_equal(scope["vectors"], teacher_matrix(last.column("teacher")))
     assert scope["negatives"] == last.column("hard_negatives").to_pylist()
+
+
+def test_one_record_of_a_shard_set(taught, shards, tmp_path):
+    from pipeline.shards import read_shard_set
+
+    info = read_shard_set(taught)  # the teacher stage over augmented shards
+    assert (info.stage, info.num_variants, info.hard_negatives, info.teacher_dim) == ("teacher", 3, 3, 24)
+    assert info.teacher["hash"] == read_manifest(taught)["teacher"]["hash"] and info.has_index
+    assert read_shard_set(info) is info and info.tokenizer is None
+    plain = read_shard_set(shards)  # augment: k from its own config, no teacher
+    assert (plain.stage, plain.num_variants, plain.hard_negatives, plain.teacher) == ("augment", 3, 0, None)
+    with pytest.raises(ConfigError, match="is not a directory"):
+        read_shard_set(tmp_path / "none")
+    # every check that needs the data, in one call: too many variants, a teacher the set does not hold
+    from pipeline.train.config import check_against_data
+
+    with pytest.raises(ConfigError, match="num_variants=4 but the shards in"):
+        check_against_data(debug_config(tmp_path, taught, **{"data.num_variants": 4}), info, 1)
+    with pytest.raises(ConfigError, match="has no teacher embeddings"):
+        check_against_data(debug_config(tmp_path, shards, **{"data.teacher": "tiny-teacher"}), plain, 1)

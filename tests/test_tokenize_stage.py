@@ -30,7 +30,7 @@ from pipeline.model import (
     write_vocab,
 )
 from pipeline.resources import sample_sentences
-from pipeline.shards import new_manifest, read_manifest, read_shard, shard_name, write_shard
+from pipeline.shards import new_manifest, read_manifest, read_shard, read_shard_set, shard_name, write_shard
 from pipeline.train.build import build_stream
 
 PREFIX = "问："
@@ -284,7 +284,9 @@ def test_training_on_ids_equals_training_on_text_and_resumes_exactly(tmp_path, s
     tokenizer = make_tokenizer(model / "vocab.txt")
     for data, pretokenized in ((shards, False), (out, True)):  # the trainer's own choice of path
         assert (
-            build_stream(make_cfg(data, tmp_path / "x", 1), tokenizer, 0, 1, PREFIX).collate.pretokenized
+            build_stream(
+                make_cfg(data, tmp_path / "x", 1), read_shard_set(data), tokenizer, 0, 1, PREFIX
+            ).collate.pretokenized
             is pretokenized
         )
     full, resumed = full_and_resumed(tmp_path, lambda d, s: make_cfg(out, d, s), stop=3, total=6)

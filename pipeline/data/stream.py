@@ -39,12 +39,12 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline.data.token_ids import TOKEN_ID_COLUMNS, ragged_rows
 from pipeline.errors import ConfigError, InputError, PipelineError
 from pipeline.shards import (
+    ShardSet,
     block_index,
     check_block,
     check_shard_size,
     ipc_to_table,
-    iter_blocks,
-    read_manifest,
+    read_shard_set,
     set_index,
 )
 from pipeline.teacher.vectors import block_teacher
@@ -72,9 +72,10 @@ class BlockRef:
 
 
 def index_shards(
-    directory: str | Path, verify: bool = True, check_blocks: bool | None = None
+    shard_set: str | Path | ShardSet, verify: bool = True, check_blocks: bool | None = None
 ) -> list[BlockRef]:
-    """Every block of a shard set, in manifest order, from the manifest and the per-shard block indexes.
+    """Every block of a shard set (its directory or its :class:`~pipeline.shards.ShardSet`), in manifest
+    order, from the manifest and the block index.
 
     Reads a few bytes per block and two per row (the lengths stay memory-mapped), never the blocks:
     start and resume do not grow with the bytes of the data. Each shard's size is checked here;
@@ -82,10 +83,8 @@ def index_shards(
     :func:`read_block` check each block's CRC-32 when it reads it.
     """
     check_blocks = verify if check_blocks is None else check_blocks
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ConfigError(f"data.shards: {directory} is not a directory; run preprocess/augment first")
-    manifest = read_manifest(directory)
+    info = read_shard_set(shard_set)
+    directory, manifest = info.directory, info.manifest
     blocks: list[BlockRef] = []
     whole = set_index(directory, manifest, verify)
     if whole is not None:  # one file for the whole set: what stages of this version write
@@ -119,30 +118,6 @@ def read_block(ref: BlockRef) -> pa.Table:
     if ref.crc32 is not None:
         check_block(Path(ref.path), ref.block, data, ref.crc32)
     return ipc_to_table(data)
-
-
-def cached_variants(directory: str | Path) -> int:
-    """How many variants per sentence the augment stage cached (0 for shards without the column)."""
-    manifest = read_manifest(directory)
-
-    def find(node: Any) -> int | None:
-        if isinstance(node, dict):
-            if isinstance(node.get("num_variants"), int):
-                return node["num_variants"]
-            for value in node.values():
-                if (found := find(value)) is not None:
-                    return found
-        return None
-
-    found = find(manifest.get("config", {}))
-    if found is not None:
-        return found
-    first = Path(directory) / manifest["shards"][0]["name"]
-    for _, table in iter_blocks(first):
-        if "variants" not in table.column_names:
-            return 0
-        return max((len(v) for v in table.column("variants").to_pylist()), default=0)
-    return 0
 
 
 # --------------------------------------------------------------------------------------------- order

@@ -18,7 +18,7 @@ import pyarrow as pa
 import torch
 
 from pipeline.errors import ConfigError
-from pipeline.shards import read_manifest
+from pipeline.shards import ShardSet, read_shard_set
 
 # the id columns and the text columns they tokenise, in the same order
 TOKEN_ID_COLUMNS = ("input_ids", "variant_input_ids", "hard_negative_input_ids")
@@ -51,13 +51,14 @@ def id_dtype(vocab_size: int) -> pa.DataType:
     return pa.uint16() if vocab_size <= np.iinfo(np.uint16).max + 1 else pa.uint32()
 
 
-def shards_have_ids(shards: str | Path, tokenizer: Any, prefix: str, max_length: int) -> bool:
+def shards_have_ids(shards: str | Path | ShardSet, tokenizer: Any, prefix: str, max_length: int) -> bool:
     """Whether to pad the shards' stored ids (hash matches), or tokenise on the fly (no ids).
 
     Ids made with another tokenizer, prefix or max_length are a ConfigError naming both hashes:
     padding them would train on the wrong tokens without a sign.
     """
-    recorded = read_manifest(shards).get("tokenizer")
+    info = read_shard_set(shards)
+    recorded, shards = info.tokenizer, info.directory
     if recorded is None:
         return False
     mine = tokenizer_hash(tokenizer, prefix, max_length)

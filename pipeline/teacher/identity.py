@@ -17,7 +17,7 @@ from typing import Any
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import sha256_file
 from pipeline.losses.terms import TEACHER
-from pipeline.shards import read_manifest
+from pipeline.shards import ShardSet, read_shard_set
 from pipeline.teacher.vectors import DTYPES
 
 PROVENANCE = "PROVENANCE.json"  # written by `python -m pipeline models fetch`; names its sources by sha256
@@ -81,20 +81,22 @@ def describe(teacher: dict[str, Any]) -> str:
     return f"{teacher.get('name')} (hash {str(teacher.get('hash'))[:12]}, dim {teacher.get('dim')})"
 
 
-def check_shards(shards: Path, wanted: str | None, num_hard_negatives: int = 0) -> dict[str, Any] | None:
-    """The shards' recorded teacher, checked against ``data.teacher`` and ``data.num_hard_negatives``.
+def check_shards(
+    shards: str | Path | ShardSet, wanted: str | None, num_hard_negatives: int = 0
+) -> dict[str, Any] | None:
+    """The shard set's recorded teacher, checked against ``data.teacher`` and ``data.num_hard_negatives``.
 
     Returns None when the shards hold no teacher and none is asked for. Every mismatch is one
     ConfigError naming both sides and the command that fixes it.
     """
-    manifest = read_manifest(shards)
-    teacher = manifest.get("teacher")
+    info = read_shard_set(shards)
+    teacher, shards = info.teacher, info.directory
     rerun = f"python -m pipeline teacher --shards AUGMENTED --out NEW_DIR --model {wanted or 'TEACHER'}"
     if teacher is None:
         if wanted is not None or num_hard_negatives:
             what = "teacher embeddings" if wanted is not None else "hard negatives"
             raise ConfigError(
-                f"data.shards {shards} has no {what} (stage {manifest.get('stage')!r}); "
+                f"data.shards {shards} has no {what} (stage {info.stage!r}); "
                 f"encode them with `{rerun}` and train on NEW_DIR"
             )
         return None
@@ -104,7 +106,7 @@ def check_shards(shards: Path, wanted: str | None, num_hard_negatives: int = 0) 
             f"data.teacher={wanted!r} but {shards} was encoded with {describe(teacher)}; set "
             f"--data.teacher to that name or hash, or re-encode with `{rerun}`"
         )
-    cached = int((manifest.get("hard_negatives") or {}).get("k", 0))
+    cached = info.hard_negatives
     if num_hard_negatives > cached:
         raise ConfigError(
             f"data.num_hard_negatives={num_hard_negatives} but {shards} caches {cached} per sentence; "
@@ -113,14 +115,14 @@ def check_shards(shards: Path, wanted: str | None, num_hard_negatives: int = 0) 
     return teacher
 
 
-def batches_carry_teacher(cfg: Any) -> bool:
+def batches_carry_teacher(cfg: Any, shard_set: ShardSet | None = None) -> bool:
     """Whether the training batches carry ``batch["teacher"]``; checks the shards against ``cfg.data``.
 
     Yes when ``data.teacher`` is set (the shards' teacher must match it), or when a loss term reads
     teacher vectors and the shards hold some (logged).
     """
     d = cfg.data
-    recorded = check_shards(d.shards, d.teacher, d.num_hard_negatives)
+    recorded = check_shards(shard_set or d.shards, d.teacher, d.num_hard_negatives)
     width = d.teacher_dim
     if recorded is not None and width and width != recorded.get("dim"):
         raise ConfigError(

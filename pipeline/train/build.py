@@ -23,13 +23,7 @@ from torch import nn
 from pipeline import distributed as dist
 from pipeline.config import from_dict, to_dict
 from pipeline.data.collate import MLMCollator, PairCollator, ViewCollator
-from pipeline.data.stream import (
-    BatchStream,
-    MemorySource,
-    ShardSource,
-    cached_variants,
-    index_shards,
-)
+from pipeline.data.stream import BatchStream, MemorySource, ShardSource, index_shards
 from pipeline.data.token_ids import shards_have_ids
 from pipeline.errors import ConfigError, InputError, PipelineError
 from pipeline.evaluate.sts import PairSet, read_pair_file
@@ -38,10 +32,10 @@ from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_back
 from pipeline.model.heads import MLMHead, TrainModule
 from pipeline.model.vocab import read_model_config, write_vocab
 from pipeline.resources import EVAL_DIR
-from pipeline.shards import read_shard, shard_paths
+from pipeline.shards import ShardSet, read_shard, read_shard_set, shard_paths
 from pipeline.teacher.identity import batches_carry_teacher
 from pipeline.train.checkpoint import Checkpointer, check_compatible
-from pipeline.train.config import Config, check_against_environment, resolve_path
+from pipeline.train.config import Config, check_against_data, resolve_path
 from pipeline.train.metrics import MetricsLogger
 from pipeline.train.schedule import LRSchedule
 from pipeline.train.signals import PreemptionHandler
@@ -300,7 +294,7 @@ def read_records(cfg: Config) -> list[tuple]:
     return [(p.text_a, p.text_b, p.label) for p in read_pairs(path)]
 
 
-def shard_blocks(shards: Path, verify: bool, rank: int) -> list[Any]:
+def shard_blocks(shards: ShardSet, verify: bool, rank: int) -> list[Any]:
     """Every rank reads the small block indexes itself; rank 0 alone checks their sha256s and broadcasts
     only whether they passed (a message or None), never the index (it grows with the data)."""
     error: str | None = None
@@ -315,15 +309,18 @@ def shard_blocks(shards: Path, verify: bool, rank: int) -> list[Any]:
     return blocks
 
 
-def build_stream(cfg: Config, tokenizer: Any, rank: int, world: int, prefix: str = "") -> BatchStream:
-    """This rank's batches; ``prefix`` is the encoder's text prefix, put before every text once."""
+def build_stream(
+    cfg: Config, shard_set: ShardSet | None, tokenizer: Any, rank: int, world: int, prefix: str = ""
+) -> BatchStream:
+    """This rank's batches, from ``shard_set`` (None: the supervised file); ``prefix`` is the encoder's
+    text prefix, put before every text once."""
     d, t = cfg.data, cfg.train
     loss = cfg.terms()
     if loss.unsupervised:
-        blocks = shard_blocks(d.shards, d.verify_shards, rank)
+        blocks = shard_blocks(shard_set, d.verify_shards, rank)
         k, views = loss.shard_views(d.num_variants, d.num_dropout_views)
-        teacher = batches_carry_teacher(cfg)  # checks data.teacher/num_hard_negatives against the shards
-        pretokenized = shards_have_ids(d.shards, tokenizer, prefix, d.max_length)  # refuses other ids
+        teacher = batches_carry_teacher(cfg, shard_set)  # checked in check_against_data
+        pretokenized = shards_have_ids(shard_set, tokenizer, prefix, d.max_length)  # refuses other ids
         collate = ViewCollator(
             tokenizer, d.max_length, k, views, prefix, teacher, d.num_hard_negatives, pretokenized
         )
@@ -411,19 +408,9 @@ def build(cfg: Config) -> Trainer:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # loader workers tokenise; no nested pools
     accelerator = build_accelerator(cfg)
     world, rank = accelerator.num_processes, accelerator.process_index
-    cached = None
     loss = cfg.terms()
-    if loss.config("luse") is not None:
-        if not Path(cfg.data.shards).is_dir():
-            raise ConfigError(
-                f"data.shards: {cfg.data.shards} is not a directory; run preprocess/augment first"
-            )
-        cached = cached_variants(cfg.data.shards)
-    check_against_environment(cfg, world, cached)
-    if cfg.train.gradcache_chunk_size and cfg.train.deepspeed_config:
-        raise ConfigError(
-            "train.gradcache_chunk_size is not supported with DeepSpeed; use DDP or set it to 0"
-        )
+    shard_set = read_shard_set(cfg.data.shards) if loss.unsupervised else None  # the manifest, once
+    check_against_data(cfg, shard_set, world)
     write_run_config(cfg)
     dist.barrier()
 
@@ -444,7 +431,7 @@ def build(cfg: Config) -> Trainer:
     if accelerator.is_main_process:
         report_unk_rate(encoder, metrics)
     started = time.perf_counter()
-    stream = build_stream(cfg, encoder.tokenizer, rank, world, encoder.prefix)
+    stream = build_stream(cfg, shard_set, encoder.tokenizer, rank, world, encoder.prefix)
     planned = time.perf_counter() - started
     total = cfg.train.max_steps or cfg.train.epochs * stream.batches_per_epoch
     optimizer = build_optimizer(cfg, module)

@@ -1,9 +1,10 @@
 """The training configuration: one typed dataclass per section, validated before anything runs.
 
 Checks that need only the config live in ``__post_init__``; checks that need the world size or the
-data on disk (global batch vs ranks, k vs the cached variants, missing shards) live in
-:func:`check_against_environment`, which :func:`pipeline.train.build.build` calls before it builds a
-model. Every mistake is a :class:`ConfigError` whose message says what to change.
+data on disk (global batch vs ranks, k vs the cached variants, the teacher and hard negatives the
+shards hold) live in :func:`check_against_data`, which :func:`pipeline.train.build.build` calls with
+the shard set's manifest (read once) before it builds a model. Every mistake is a
+:class:`ConfigError` whose message says what to change.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError
 from pipeline.losses import TERMS, Loss, build_loss
 from pipeline.losses.terms import HARD_NEGATIVES, MLM_LOGITS, TEACHER, apply_legacy_objective, as_entries
+from pipeline.shards import ShardSet
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_LOSS = [{"luse": {}, "weight": 1.0}]
@@ -368,6 +370,10 @@ class Config:
             )
         if t.gradcache_chunk_size and t.grad_accum_steps > 1:
             raise ConfigError("use either train.gradcache_chunk_size or train.grad_accum_steps > 1, not both")
+        if t.gradcache_chunk_size and t.deepspeed_config:
+            raise ConfigError(
+                "train.gradcache_chunk_size is not supported with DeepSpeed; use DDP or set it to 0"
+            )
 
     def read_legacy_objective(self) -> None:
         """Read a deprecated ``objective:`` section (or ``--objective.*`` overrides) into ``loss``."""
@@ -397,8 +403,10 @@ class Config:
         return self.terms().num_views(self.data.num_variants, self.data.num_dropout_views)
 
 
-def check_against_environment(cfg: Config, world_size: int, cached_variants: int | None) -> None:
-    """Checks that need the world size and the data's manifest; raise before any model is built."""
+def check_against_data(cfg: Config, shard_set: ShardSet | None, world_size: int) -> None:
+    """Every check that needs the world size or the shard set (its manifest, read once by
+    :func:`pipeline.shards.read_shard_set`; None for a supervised file); raise before any model is built."""
+    from pipeline.teacher.identity import batches_carry_teacher
     from pipeline.train.queue import validate_queue_size
 
     per_rank, accum = cfg.train.global_batch_size, cfg.train.grad_accum_steps
@@ -410,9 +418,12 @@ def check_against_environment(cfg: Config, world_size: int, cached_variants: int
     luse = cfg.terms().config("luse")
     if luse is not None and luse.queue_size:
         validate_queue_size(luse.queue_size, per_rank // accum)
-    if luse is not None and cached_variants is not None and cfg.data.num_variants > cached_variants:
+    if shard_set is None:
+        return
+    if luse is not None and cfg.data.num_variants > shard_set.num_variants:
         raise ConfigError(
             f"data.num_variants={cfg.data.num_variants} but the shards in {cfg.data.shards} cache "
-            f"{cached_variants} variants per sentence; set --data.num_variants <= {cached_variants} "
-            "or re-run augment with more variants"
+            f"{shard_set.num_variants} variants per sentence; set --data.num_variants <= "
+            f"{shard_set.num_variants} or re-run augment with more variants"
         )
+    batches_carry_teacher(cfg, shard_set)  # data.teacher, num_hard_negatives, teacher_dim vs the manifest
