@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from pipeline import distributed
-from pipeline.losses import cosent, distill, multi_positive, simcse, sup_simcse
+from pipeline.losses import cosent, distill, multi_positive, pairwise_bce, simcse, sup_simcse
 from pipeline.train.queue import NegativeQueue
 
 pytestmark = pytest.mark.slow
@@ -70,6 +70,7 @@ CASES = {
         ["views"],
     ),
     "simcse": (lambda x, gather: simcse.compute_loss(x["views"][:2], TAU, gather=gather), ["views"]),
+    "luse_bce": (lambda x, gather: pairwise_bce.compute_loss(x["views"], gather=gather), ["views"]),
     "sup_simcse": (
         lambda x, gather: sup_simcse.compute_loss(
             x["anchor"], x["positive"], x["negative"], TAU, gather=gather

@@ -92,3 +92,22 @@ def test_a_checkpoint_of_an_old_config_resumes_and_its_card_names_what_was_train
     assert card["objective"] is None and card["temperature"] is None
     mixed = trained_loss({"loss": [{"luse": {"queue_size": 256}, "weight": 1.0}, {"mlm": {}, "weight": 0.1}]})
     assert mixed["loss"] == "luse (queue_size: 256) + 0.1 x mlm" and mixed["queue_size"] == 256
+
+
+def test_luse_bce_trains_end_to_end(tmp_path, tiny_shards):
+    import json
+    import math
+
+    from _train_data import debug_config
+
+    from pipeline.train.run import run
+
+    cfg = debug_config(tmp_path, tiny_shards([[40, 24]], num_variants=3), **{"loss": [{"luse_bce": {}}]})
+    assert cfg.num_views() == 4 and cfg.terms().shard_views(2, 1) == (2, 1)  # as luse: 1 + k + d
+    with pytest.raises(ConfigError, match="luse_bce needs at least one positive"):
+        debug_config(tmp_path, tmp_path, **{"loss": [{"luse_bce": {}}], "data.num_variants": 0,
+                                            "data.num_dropout_views": 0})  # fmt: skip
+    assert run(cfg) == 0
+    steps = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in steps if "loss" in r]
+    assert len(losses) == 10 and all(math.isfinite(v) for v in losses)

@@ -13,6 +13,7 @@ from pipeline.losses import (
     build_loss,
     cosent,
     multi_positive,
+    pairwise_bce,
     sbert_softmax,
     simcse,
     sup_simcse,
@@ -244,10 +245,57 @@ def test_sbert_softmax_is_cross_entropy_over_u_v_absdiff():
     assert head.classifier.weight.shape == (3, 24)
 
 
+# ------------------------------------------------------------------------------------ luse_bce
+def luse_bce_literal(views):
+    """DunZhang/LUSE code/Train.py, train_once and train, loss_type "bce", transcribed: the masks by its
+    loops, the diagonal set to 0.99999 in place, (1 + scores) / 2, F.binary_cross_entropy."""
+    n, batch_size, _ = views.shape
+    aug_count = n - 1
+    aug_vecs = views.reshape(n * batch_size, -1)  # bsz*n, hiddensize (its order: augmented, then original)
+    mask_for_batch_pos = torch.zeros((batch_size * (aug_count + 1), batch_size * (aug_count + 1)))
+    mask_for_diag = torch.zeros((batch_size * (aug_count + 1), batch_size * (aug_count + 1)))
+    for i in range(mask_for_batch_pos.shape[0]):
+        mask_for_diag[i, i] = 1
+        for j in range(1 + aug_count):
+            mask_for_batch_pos[i, i % batch_size + j * batch_size] = 1
+    mask_for_diag = mask_for_diag.bool()
+    mask_for_batch_pos = mask_for_batch_pos.to(views.dtype)
+    scores = aug_vecs.mm(aug_vecs.t())
+    scores.masked_fill_(mask_for_diag, 0.99999)
+    scores = (1 + scores) / 2
+    return F.binary_cross_entropy(scores, mask_for_batch_pos)
+
+
+@pytest.mark.parametrize("n_views", [1, 2, 5])
+def test_luse_bce_matches_the_literal_code(n_views):
+    views = unit(n_views, 6, 8)
+    got = pairwise_bce.compute_loss(leaf(views), gather=False)
+    torch.testing.assert_close(got, luse_bce_literal(views), rtol=1e-12, atol=1e-12)
+    # LUSE orders views augmented-first; a mean over all pairs does not depend on the order
+    rolled = torch.roll(views, 1, dims=0)
+    torch.testing.assert_close(pairwise_bce.compute_loss(rolled, gather=False), luse_bce_literal(views))
+
+
+def test_luse_bce_falls_when_training_a_tiny_encoder():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 6).double()
+    x = torch.randn(3, 8, 6, dtype=torch.float64)
+    x[1:] = x[0] + 0.1 * torch.randn(2, 8, 6, dtype=torch.float64)  # views = noisy copies of the original
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(30):
+        loss = pairwise_bce.compute_loss(F.normalize(model(x), dim=-1), gather=False)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
 # ----------------------------------------------------------------------------------------- registry
 def test_registry_names_inputs_and_unknown_name():
     main = {n for n, t in TERMS.items() if t.data is not None}  # the terms that decide the data
-    assert main == {"luse", "simcse", "sup_simcse", "cosent", "sbert"}
+    assert main == {"luse", "simcse", "sup_simcse", "cosent", "sbert", "luse_bce"}
     assert set(TERMS) - main == {"distill", "kl", "mlm"}
     luse, cosent = TERMS["luse"], TERMS["cosent"]
     assert "views" in luse.reads(luse.config()) and cosent.reads(cosent.config()) == {"pairs", "labels"}

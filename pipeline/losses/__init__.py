@@ -12,20 +12,31 @@ simcse       views         embeddings (2, B, H) two dropout encodings, temperatu
 sup_simcse   pairs         anchor, positive, negative: (B, H) each, temperature, gather
 cosent       pairs+labels  u, v: (B, H), labels (B,) graded or 0/1 scores, scale, gather
 sbert        pairs+labels  u, v: (B, H), labels (B,) class indices, head (SoftmaxHead)
+luse_bce     views         embeddings (n_views, B, H), gather (LUSE's pairwise BCE)
 distill      teacher       student (B, D_t) (projected originals), teacher (B, D_t), cosine or mse
 kl           teacher       student (B, H), teacher (B, D_t), temperatures, queue + teacher queue
 mlm          MLM logits    logits (B, L, V), labels (B, L) (-100 where not masked)
 ===========  ============  =========================================================================
 
-luse and simcse read the unsupervised shards; sup_simcse reads :func:`pipeline.data.pairs.read_triples`,
-cosent and sbert :func:`pipeline.data.pairs.read_pairs`. See docs/objectives.md.
+luse, luse_bce and simcse read the unsupervised shards; sup_simcse reads
+:func:`pipeline.data.pairs.read_triples`, cosent and sbert :func:`pipeline.data.pairs.read_pairs`. See
+docs/objectives.md.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pipeline.losses import cosent, distill, mlm, multi_positive, sbert_softmax, simcse, sup_simcse
+from pipeline.losses import (
+    cosent,
+    distill,
+    mlm,
+    multi_positive,
+    pairwise_bce,
+    sbert_softmax,
+    simcse,
+    sup_simcse,
+)
 from pipeline.losses.terms import Loss, StepOutput, Term, WeightedTerm, apply_legacy_objective, parse_terms
 
 TERMS: dict[str, Term] = {
@@ -36,6 +47,7 @@ TERMS: dict[str, Term] = {
         sup_simcse.TERM,
         cosent.TERM,
         sbert_softmax.TERM,
+        pairwise_bce.TERM,
         distill.DISTILL,
         distill.KL,
         mlm.TERM,

@@ -348,10 +348,13 @@ class Config:
                 f"loss term {loss.main.name} needs --data.supervised_file (a TSV/JSONL pair/triple file)"
             )
         luse = loss.config("luse")
-        if luse is not None and d.num_variants + d.num_dropout_views < 1 and not luse.teacher_positive:
+        one_view = (
+            loss.main is not None and loss.main.uses_variants and d.num_variants + d.num_dropout_views < 1
+        )
+        if one_view and not (luse is not None and luse.teacher_positive):
             raise ConfigError(
-                "luse needs at least one positive: set data.num_variants or num_dropout_views >= 1 "
-                "(or luse.teacher_positive; for distillation alone the loss is one distill term)"
+                f"{loss.main.name} needs at least one positive: set data.num_variants or num_dropout_views "
+                ">= 1 (or luse.teacher_positive; for distillation alone the loss is one distill term)"
             )
         if not loss.unsupervised and (
             loss.reads(TEACHER) or d.teacher is not None or d.num_hard_negatives or loss.reads(MLM_LOGITS)
@@ -420,7 +423,8 @@ def check_against_data(cfg: Config, shard_set: ShardSet | None, world_size: int)
         validate_queue_size(luse.queue_size, per_rank // accum)
     if shard_set is None:
         return
-    if luse is not None and cfg.data.num_variants > shard_set.num_variants:
+    variants = cfg.terms().main is not None and cfg.terms().main.uses_variants
+    if variants and cfg.data.num_variants > shard_set.num_variants:
         raise ConfigError(
             f"data.num_variants={cfg.data.num_variants} but the shards in {cfg.data.shards} cache "
             f"{shard_set.num_variants} variants per sentence; set --data.num_variants <= "
