@@ -42,7 +42,7 @@ from torch import nn
 from pipeline import __version__
 from pipeline.config import option
 from pipeline.errors import ConfigError, InputError
-from pipeline.model.rules import ENCODER_FILE, POOLING_HELP, ST_BERT_CONFIG, ST_CONFIG, ST_MODULES, read_rule
+from pipeline.model.rules import ENCODER_FILE, POOLING_HELP, ST_CONFIG, ST_MODULES, read_rule
 
 log = logging.getLogger(__name__)
 SURGERY_KEY = "student_surgery"  # in config.json; the same dict is "surgery" in encoder.json
@@ -360,8 +360,12 @@ def _check_same_pieces(before: Any, after: Any, texts: Sequence[str]) -> None:
 
 # ------------------------------------------------------------------------------------------------ output
 def _copy_module_files(source: Path, dest: Path) -> None:
-    """Carry sentence-transformers files (modules.json and its Pooling/Normalize folders) through."""
-    for name in (ST_MODULES, ST_BERT_CONFIG, ST_CONFIG):
+    """Carry sentence-transformers files (modules.json and its Pooling/Normalize folders) through.
+
+    Not sentence_bert_config.json: save_pretrained wrote it for the student (its max length, and no
+    pooler for sentence-transformers to build, as the student's weights hold none).
+    """
+    for name in (ST_MODULES, ST_CONFIG):
         if (source / name).is_file():
             shutil.copy2(source / name, dest / name)
     if (source / ST_MODULES).is_file():
