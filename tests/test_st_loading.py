@@ -101,3 +101,26 @@ def test_other_transformers_warnings_pass_the_filter(caplog):
     ):
         logger.warning("something else went wrong")
     assert "something else went wrong" in caplog.text
+
+
+def test_a_training_runs_model_folders_load_in_sentence_transformers(tmp_path, tiny_shards, caplog):
+    """The trainer's own output (RUN/model and a checkpoint's model/) on the debug config, with a prefix."""
+    from _train_data import debug_config
+    from accelerate.state import AcceleratorState
+    from sentence_transformers import SentenceTransformer
+
+    from pipeline.train.run import run
+
+    overrides = {"train.max_steps": 2, "checkpoint.every_steps": 2, "model.prefix": "query: "}
+    cfg = debug_config(tmp_path, tiny_shards([[32]], num_variants=2), **overrides)
+    AcceleratorState._reset_state(True)
+    assert run(cfg) == 0
+    folders = [cfg.run_dir / "model", *sorted((cfg.run_dir / "checkpoints").glob("step-*/model"))]
+    assert len(folders) == 2
+    caplog.set_level(logging.WARNING, logger="transformers.modeling_utils")
+    for folder in folders:
+        ours = SentenceEncoder.from_pretrained(folder)
+        assert ours.prefix == "query: "
+        theirs = SentenceTransformer(str(folder), device="cpu").encode(SENTENCES, batch_size=4)
+        assert np.abs(theirs - ours.encode(SENTENCES)).max() <= 1e-5, folder
+    assert not [r for r in caplog.records if "LOAD REPORT" in r.getMessage()]
