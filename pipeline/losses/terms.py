@@ -69,6 +69,10 @@ class Term:
     label_dtype: torch.dtype | None = None  # labels of a supervised file (None: no label column)
     make_head: Callable[[Any, int], nn.Module] | None = None  # (its config, dim): a head of its own
     projects: Callable[[Any], bool] = lambda config: False  # compares student and teacher vectors
+    # A term over the run's other terms (matryoshka): (its config, the run's terms) -> the term bound to
+    # them, which parse_terms puts in its place; a ConfigError when they do not fit.
+    bind: Callable[[Any, list[WeightedTerm]], Term] | None = None
+    check_width: Callable[[Any, int], None] | None = None  # (its config, the encoder's width): ConfigError
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,9 @@ class Loss:
         term compares student and teacher vectors of different widths (trained, never exported)."""
         from pipeline.model.heads import projection_head
 
+        for t in self.terms:  # the one place the loss meets the encoder's width, before training
+            if t.term.check_width is not None:
+                t.term.check_width(t.config, dim)
         for t in self.terms:
             if t.term.make_head is not None:
                 return t.term.make_head(t.config, dim)
@@ -178,7 +185,7 @@ def parse_terms(entries: list[dict[str, Any]], registry: dict[str, Term]) -> lis
         raise ConfigError(
             f"loss: {' and '.join(main)} each decide the batch's data and views; keep one of them"
         )
-    return out
+    return [WeightedTerm(t.term.bind(t.config, out), t.config, t.weight) if t.term.bind else t for t in out]
 
 
 def as_entries(terms: list[WeightedTerm]) -> list[dict[str, Any]]:
