@@ -225,7 +225,7 @@ class SentenceEncoder(nn.Module):
                 "this encoder ends in a Dense module, which encoder.json cannot hold; write it with "
                 "`python -m pipeline export` (a sentence-transformers folder)"
             )
-        from pipeline.export import write_module_files
+        from pipeline.model.st_folder import write_module_files
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import InputError
-from pipeline.export import write_module_files
+from pipeline.model.st_folder import write_module_files
 from pipeline.models.e5s1 import DTYPE_Q4, E5S1File
 from pipeline.models.registry import ModelEntry
 
