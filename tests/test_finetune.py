@@ -118,6 +118,18 @@ def test_it_learns_a_separable_task_in_both_regimes(toy, tmp_path):
     # chance is 0; near-copies against unrelated sentences must stay clearly ranked after training
     assert sim["regimes"]["freeze"]["mean"] > 20.0
     assert sim["regimes"]["train"]["mean"] > 20.0
+    # FreezeBERT's cache (and the zero-shot reference read from it) holds the *loaded* encoder's
+    # outputs, although TrainBERT cells of the same task ran before and changed the weights
+    task = load_tasks(
+        Config(model=str(toy["model"]), out=out, task_files=[f"toysim=similarity:{toy['sim']}"])
+    )[0]
+    encoder = resolve.load_encoder(resolve.resolve(str(toy["model"])))
+    (cache,) = (out / "cache").glob("toysim-*.npy")
+    cached = np.load(cache)
+    cached /= np.linalg.norm(cached, axis=1, keepdims=True)
+    assert np.allclose(cached, encoder.encode(task.unique_texts()), atol=1e-5)
+    assert -100.0 <= sim["zero_shot"]["test"] <= 100.0
+    assert "zero_shot" not in cls
     assert (out / "finetune.md").read_text(encoding="utf-8").count("| toycls |") == 2
     assert (out / "finetune.png").stat().st_size > 1000
     assert len(list((out / "cells").rglob("*.json"))) == 4

@@ -257,6 +257,12 @@ class Model:
             self._encoder = encoder
         return self._encoder
 
+    def as_loaded(self) -> Any:
+        """The encoder with the loaded weights: a TrainBERT cell before has changed them."""
+        if self._initial is not None:
+            self.encoder.load_state_dict(self._initial)
+        return self.encoder
+
     @property
     def initial_state(self) -> dict[str, Any]:
         """The loaded weights, kept to reset the encoder before every TrainBERT cell."""
@@ -283,7 +289,7 @@ def frozen_features(
     start, cpu = time.perf_counter(), time.process_time()
     tick = progress.start(f"{task.name}: encode {len(texts)} texts once (FreezeBERT)")
     try:
-        features = encode_pooled(model.encoder, texts, tick=tick)
+        features = encode_pooled(model.as_loaded(), texts, tick=tick)
     finally:
         progress.stop()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from pipeline.finetune.tasks import SPLITS, Task
 
 
 def summarise(cfg: Any, tasks: list[Task], records: dict[Any, dict[str, Any]], out: Path) -> dict[str, Any]:
-    from pipeline.finetune.run import cells_of
+    from pipeline.finetune.run import cells_of, task_digest
     from pipeline.finetune.train import primary_metric
 
     summary: dict[str, Any] = {}
@@ -31,6 +31,9 @@ def summarise(cfg: Any, tasks: list[Task], records: dict[Any, dict[str, Any]], o
             "classes": task.classes,
             "regimes": {},
         }
+        cache_stem = out / "cache" / f"{task.name}-{task_digest(task)}"
+        if task.kind == "similarity" and cache_stem.with_suffix(".npy").is_file():
+            entry["zero_shot"] = zero_shot(task, np.load(cache_stem.with_suffix(".npy")))
         for regime in cfg.regimes:
             per_seed: dict[int, list[dict[str, Any]]] = {}
             for cell in cells_of(cfg, task.name, regime):
@@ -50,14 +53,29 @@ def summarise(cfg: Any, tasks: list[Task], records: dict[Any, dict[str, Any]], o
             row |= _mean_std(row["test"])
             if task.kind == "classification":
                 row["macro_f1"] = _mean_std([r["test"]["macro_f1"] for r in chosen])
-            cache = sorted((out / "cache").glob(f"{task.name}-*.json")) if regime == "freeze" else []
-            if cache:
-                timing = json.loads(cache[-1].read_text(encoding="utf-8"))
+            cache = cache_stem.with_suffix(".json")
+            if regime == "freeze" and cache.is_file():
+                timing = json.loads(cache.read_text(encoding="utf-8"))
                 row["encode_seconds"] = timing["seconds"]
                 row["encode_cpu_seconds"] = timing.get("cpu_seconds", 0.0)
             entry["regimes"][regime] = row
         summary[task.name] = entry
     return summary
+
+
+def zero_shot(task: Task, features: np.ndarray) -> dict[str, float]:
+    """Spearman x100 of the untouched encoder's cosine on dev and test, from FreezeBERT's cache: the
+    reference both regimes should beat (fine-tuning that does not has hurt the encoder)."""
+    from pipeline.evaluate.sts import pair_cosine, spearman100
+
+    row = {t: i for i, t in enumerate(task.unique_texts())}
+    scores = {}
+    for name in ("dev", "test"):
+        split = task.splits[name]
+        a = features[[row[t] for t in split.texts_a]]
+        b = features[[row[t] for t in split.texts_b]]
+        scores[name] = spearman100(pair_cosine(a, b), split.labels)
+    return scores
 
 
 def _mean_std(values: list[float]) -> dict[str, float]:
@@ -75,7 +93,14 @@ def _cell(row: dict[str, Any] | None, key: str | None = None) -> str:
 def markdown(result: dict[str, Any]) -> str:
     regimes = result["config"]["regimes"]
     titles = {"train": "TrainBERT", "freeze": "FreezeBERT"}
-    header = ["task", "metric x100", *[titles[r] for r in regimes], "train/dev/test", "lr chosen (per seed)"]
+    header = [
+        "task",
+        "metric x100",
+        *[titles[r] for r in regimes],
+        "zero-shot cosine",
+        "train/dev/test",
+        "lr chosen (per seed)",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     for name, entry in result["tasks"].items():
         rows = [(entry["metric"], None)]
@@ -89,7 +114,9 @@ def markdown(result: dict[str, Any]) -> str:
                 for r in regimes
                 if r in entry["regimes"]
             )
-            lines.append("| " + " | ".join([name, metric, *cells, sizes, lrs]) + " |")
+            zero = entry.get("zero_shot", {}).get("test")
+            zero_text = "–" if zero is None else f"{zero:.2f}"
+            lines.append("| " + " | ".join([name, metric, *cells, zero_text, sizes, lrs]) + " |")
     cfg = result["config"]
     notes = (
         "Test score at the lr chosen on dev, mean ± std over seeds (n). Budgets: "
@@ -97,6 +124,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"head lr {cfg['head_lr']:g}; FreezeBERT {cfg['freeze_epochs']} epochs, "
         f"lr grid {cfg['freeze_lrs']}; batch {cfg['batch_size']}, max length {cfg['max_length']}, "
         f"similarity loss {cfg['sim_head']}, at most {cfg['max_train']} training examples per task."
+    )
+    notes += (
+        " Zero-shot cosine: the untouched encoder's Spearman on the same test split (similarity tasks "
+        "with FreezeBERT's cache)."
     )
     return "\n".join(lines) + "\n\n" + notes + "\n"
 
