@@ -16,6 +16,7 @@ luse_bce     views         embeddings (n_views, B, H), gather (LUSE's pairwise B
 distill      teacher       student (B, D_t) (projected originals), teacher (B, D_t), cosine or mse
 kl           teacher       student (B, H), teacher (B, D_t), temperatures, queue + teacher queue
 mlm          MLM logits    logits (B, L, V), labels (B, L) (-100 where not masked)
+matryoshka   its terms'    the run's terms (``of``) on re-normalised prefixes (dims, weights)
 ===========  ============  =========================================================================
 
 luse, luse_bce and simcse read the unsupervised shards; sup_simcse reads
@@ -30,6 +31,7 @@ from typing import Any
 from pipeline.losses import (
     cosent,
     distill,
+    matryoshka,
     mlm,
     multi_positive,
     pairwise_bce,
@@ -51,6 +53,7 @@ TERMS: dict[str, Term] = {
         distill.DISTILL,
         distill.KL,
         mlm.TERM,
+        matryoshka.TERM,
     )
 }
 
