@@ -12,6 +12,7 @@ them is the usual cause of a deadlock.
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 import torch
@@ -28,11 +29,27 @@ __all__ = [
     "broadcast_object",
     "collective_device",
     "is_dist",
+    "ignore_preemption_signals",
     "is_main_process",
     "rank",
     "shutdown",
     "world_size",
 ]
+
+
+# The signals a scheduler sends every process of a job step to ask it to stop (SLURM's --signal, a time
+# limit's SIGTERM): the training process handles them (pipeline/train/signals.py), its helpers ignore them.
+PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def ignore_preemption_signals(*_: Any) -> None:
+    """A DataLoader ``worker_init_fn``: loader workers ignore SIGTERM/SIGUSR1.
+
+    Schedulers signal every process of a job step, workers included. The default action of SIGUSR1
+    kills a process, and a dead worker makes the main process fail before it can save.
+    """
+    for sig in PREEMPTION_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def is_dist() -> bool:

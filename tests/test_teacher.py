@@ -21,7 +21,7 @@ from pipeline.teacher import run as teacher_run
 from pipeline.teacher.identity import batches_carry_teacher, check_shards
 from pipeline.teacher.negatives import MineParams, Pool, select_negatives
 from pipeline.teacher.run import Config, run
-from pipeline.teacher.vectors import teacher_matrix
+from pipeline.vectors import teacher_matrix
 
 PREFIX = "问："
 BLOCKS = [[40, 24], [32], [30, 10]]

@@ -18,7 +18,7 @@ from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_json
 from pipeline.shards import read_manifest, read_shard
 from pipeline.teacher.identity import check_shards
-from pipeline.teacher.vectors import block_teacher, encode_vectors, teacher_matrix, variant_matrices
+from pipeline.vectors import block_teacher, encode_vectors, teacher_matrix, variant_matrices
 
 DIM = 24
 

@@ -36,6 +36,7 @@ import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from pipeline import distributed
 from pipeline.data.token_ids import TOKEN_ID_COLUMNS, ragged_rows
 from pipeline.errors import ConfigError, InputError, PipelineError
 from pipeline.shards import (
@@ -47,8 +48,7 @@ from pipeline.shards import (
     read_shard_set,
     set_index,
 )
-from pipeline.teacher.vectors import block_teacher
-from pipeline.train.signals import ignore_preemption_signals
+from pipeline.vectors import block_teacher
 
 log = logging.getLogger(__name__)
 
@@ -425,7 +425,10 @@ class BatchStream:
             # Workers ignore SIGTERM/SIGUSR1: SLURM signals the whole process group, and a worker killed
             # by SIGUSR1's default action would fail the main process before it could checkpoint.
             extra = (
-                {"prefetch_factor": self.prefetch_factor, "worker_init_fn": ignore_preemption_signals}
+                {
+                    "prefetch_factor": self.prefetch_factor,
+                    "worker_init_fn": distributed.ignore_preemption_signals,
+                }
                 if self.num_workers
                 else {}
             )

@@ -18,7 +18,7 @@ from pipeline.errors import ConfigError, InputError
 from pipeline.io import sha256_file
 from pipeline.losses.terms import TEACHER
 from pipeline.shards import ShardSet, read_shard_set
-from pipeline.teacher.vectors import DTYPES
+from pipeline.vectors import DTYPES
 
 PROVENANCE = "PROVENANCE.json"  # written by `python -m pipeline models fetch`; names its sources by sha256
 TOKENIZER_FILES = (

@@ -28,7 +28,7 @@ from pipeline.io import atomic_write_json
 from pipeline.preprocess.text import normalize_text
 from pipeline.shards import read_shard, write_shard
 from pipeline.stages import read_record, record_path, shard_index
-from pipeline.teacher.vectors import block_teacher
+from pipeline.vectors import block_teacher
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Reads augmented shards and writes shards of the same names, rows and blocks with a ``teacher`` column
 (``fixed_size_list<float16, D>``, L2-normalised, or with ``--dtype int8`` int8 codes and a per-row
-``teacher_scale``: :mod:`pipeline.teacher.vectors`, ``shards/README.md``), optionally ``teacher_variants``
+``teacher_scale``: :mod:`pipeline.vectors`, ``shards/README.md``), optionally ``teacher_variants``
 (``--variants``) and ``hard_negatives``/``hard_negative_ids`` (``--hard_negatives K``, mined over the
 whole shard set: :mod:`pipeline.teacher.negatives`). Work is split like ``augment``: units are shards,
 local workers (``--workers``) and SLURM array tasks (``--task-index/--num-tasks``: task t takes the
@@ -59,7 +59,7 @@ from pipeline.stages import (
     shard_index,
 )
 from pipeline.teacher.identity import matches, model_hash, stored_dtype
-from pipeline.teacher.vectors import DTYPES, block_teacher, encode_vectors, teacher_matrix, variant_columns
+from pipeline.vectors import DTYPES, block_teacher, encode_vectors, teacher_matrix, variant_columns
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import torch
 
 from pipeline import distributed
 
-__all__ = ["EXIT_CODE_PREEMPTED", "CheckpointPolicy", "PreemptionHandler", "ignore_preemption_signals"]
+__all__ = ["EXIT_CODE_PREEMPTED", "CheckpointPolicy", "PreemptionHandler"]
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 # restarted. Not 143 (128 + SIGTERM), which a shell also reports for a process killed by SIGTERM
 # without saving anything, and not 124, which `timeout` uses.
 EXIT_CODE_PREEMPTED = 75
-DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+DEFAULT_SIGNALS = distributed.PREEMPTION_SIGNALS
 
 
 class PreemptionHandler:
@@ -85,16 +85,6 @@ class PreemptionHandler:
             seen = ",".join(self.received) or "another rank"
             log.info("preemption requested (%s): saving a checkpoint and exiting", seen)
         return stop
-
-
-def ignore_preemption_signals(*_: Any) -> None:
-    """A DataLoader ``worker_init_fn``: loader workers ignore SIGTERM/SIGUSR1.
-
-    Schedulers signal every process of a job step, workers included. The default action of SIGUSR1
-    kills a process, and a dead worker makes the main process fail before it can save.
-    """
-    for sig in DEFAULT_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
 
 
 class CheckpointPolicy:

@@ -1,5 +1,8 @@
 """Teacher vectors <-> Arrow columns, in the stored dtypes of ``teacher --dtype`` (shards/README.md).
 
+Part of the shard format (beside :mod:`pipeline.shards`): the teacher stage writes these columns, the
+loader and the miner read them, so neither reader imports the stage.
+
 ``float16``: ``teacher`` is ``fixed_size_list<float16, D>`` of the L2-normalised vectors (2 bytes a
 value). ``int8``: ``teacher`` is ``fixed_size_list<int8, D>`` of ``round(v / s * 127)`` with the row's
 scale ``s = max|v|`` beside it in ``teacher_scale`` (float32), 1 byte a value + 4 a row; the same for
