@@ -71,6 +71,12 @@ class Config:
         None, "Override the text prefix put before every sentence (empty = the folder's rule)."
     )
     progress: bool = option(True, "Show progress bars while encoding.")
+    # list[int | str]: `--dims 384,256,128,64` arrives as one string, split in __post_init__
+    dims: list[int | str] = option(
+        factory=list,
+        help="Also score these Matryoshka widths (e.g. 384,256,128,64): STS and the probe on each "
+        "re-normalised prefix, from the same encoding.",
+    )
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.suite if s not in SUITES]
@@ -93,6 +99,22 @@ class Config:
             raise ConfigError("--probe-test-size must be in (0, 1)")
         if self.uniformity_pairs < 1:
             raise ConfigError("--uniformity-pairs must be >= 1")
+        self.dims = parse_dims(self.dims, "--dims")
+
+
+def parse_dims(values: list[int | str], flag: str) -> list[int]:
+    """Widths from ``[384, 128]``, ``["384,128"]`` or repeated flags: distinct, largest first."""
+    dims: list[int] = []
+    for value in values:
+        for part in str(value).split(","):
+            if not part.strip().isdigit() or int(part) < 1:
+                raise ConfigError(
+                    f"{flag}: {part.strip()!r} is not a width; give integers >= 1, e.g. 384,128,64"
+                )
+            dims.append(int(part))
+    if len(set(dims)) != len(dims):
+        raise ConfigError(f"{flag}: {dims} repeats a width")
+    return sorted(dims, reverse=True)
 
 
 def corpus_sentences(limit: int, seed: int) -> list[str]:
@@ -168,6 +190,59 @@ def _fit_whitening(vectors: np.ndarray, cfg: Config) -> Any:
     return fit_whitening(vectors, dim)
 
 
+def cached(encode: Callable[[list[str], str], np.ndarray]) -> Callable[[list[str], str], np.ndarray]:
+    """``encode`` that encodes each (texts, desc) once: the prefixes of every width share one encoding."""
+    memo: dict[tuple[str, int, int], np.ndarray] = {}
+
+    def encode_once(texts: list[str], desc: str = "encode") -> np.ndarray:
+        key = (desc, len(texts), hash(tuple(texts)))
+        if key not in memo:
+            memo[key] = encode(texts, desc)
+        return memo[key]
+
+    return encode_once
+
+
+def check_dims(dims: list[int], width: int) -> None:
+    wide = [d for d in dims if d > width]
+    if wide:
+        raise ConfigError(f"--dims {wide}: the model's embeddings are {width}-d; keep every width <= {width}")
+
+
+def evaluate_dims(
+    encode: Callable[[list[str], str], np.ndarray], sets: list[PairSet], cfg: Config, width: int
+) -> dict[str, dict[str, Any]]:
+    """STS (raw) and the probe on the re-normalised first k dimensions, for each k of ``cfg.dims``."""
+    from pipeline.evaluate.probe import linear_probe, read_labelled_tsv
+    from pipeline.evaluate.sts import embed_pair_set
+    from pipeline.model.encoder import truncate_normalise
+
+    check_dims(cfg.dims, width)
+    out: dict[str, dict[str, Any]] = {}
+    for dim in cfg.dims:
+
+        def short(texts: list[str], desc: str = "encode", dim: int = dim) -> np.ndarray:
+            return truncate_normalise(encode(texts, desc), dim)
+
+        entry: dict[str, Any] = {}
+        if "sts" in cfg.suite:
+            scores = {
+                s.name: spearman100(embed_pair_set(lambda t, n=s.name: short(t, n), s).cosines(), s.labels)
+                for s in sets
+            }
+            entry["sts"] = _with_avg(scores, [s.name for s in sets])
+        if "probe" in cfg.suite:
+            entry["probe"] = linear_probe(
+                lambda texts: short(texts, "probe"),
+                read_labelled_tsv(),
+                cfg.probe_test_size,
+                cfg.seed,
+                cfg.max_pairs,
+            )
+        out[str(dim)] = entry
+    return out
+
+
 def evaluate_tfidf(sets: list[PairSet]) -> dict[str, float]:
     from pipeline.evaluate.sts import score_pairs
     from pipeline.evaluate.tfidf import CharTfidf, corpus_lines
@@ -210,6 +285,10 @@ def run(cfg: Config) -> int:
         def encode(texts: list[str], desc: str = "encode") -> np.ndarray:
             return encoder.encode(texts, batch_size=cfg.batch_size, progress=cfg.progress, desc=desc)
 
+        if cfg.dims:  # every width reads the same vectors: encode each set once
+            check_dims(cfg.dims, encoder.dim)
+            encode = cached(encode)
+
         if {"sts", "align"} & set(cfg.suite):
             found = evaluate_model(encode, sets, cfg)
             if "align" in found:
@@ -233,6 +312,8 @@ def run(cfg: Config) -> int:
                 cfg.seed,
                 cfg.max_pairs,
             )
+        if cfg.dims and {"sts", "probe"} & set(cfg.suite):
+            result["dims"] = evaluate_dims(encode, sets, cfg, encoder.dim)
     if "tfidf" in cfg.suite:
         sts["tfidf"] = evaluate_tfidf(sets)
     if any(k in sts for k in ("model", "tfidf")):

@@ -68,6 +68,24 @@ def probe_table(result: dict[str, Any]) -> str | None:
     return markdown_table(["linear probe", "accuracy", "macro F1", "train", "test"], rows)
 
 
+def dims_table(result: dict[str, Any]) -> str | None:
+    """One row per Matryoshka width (``eval --dims``): Spearman per set, avg5, probe accuracy and F1."""
+    dims = result.get("dims")
+    if not dims:
+        return None
+    first = next(iter(dims.values()))
+    columns = list(first.get("sts", {}))
+    probe = "probe" in first
+    header = ["dims"] + columns + (["probe accuracy", "probe macro F1"] if probe else [])
+    rows = []
+    for dim, entry in dims.items():
+        row = [dim] + [entry.get("sts", {}).get(c) for c in columns]
+        if probe:
+            row += [entry["probe"].get("accuracy"), entry["probe"].get("macro_f1")]
+        rows.append(row)
+    return markdown_table(header, rows)
+
+
 def result_markdown(result: dict[str, Any], heading_level: int = 2) -> str:
     """All tables of a result, each under a heading."""
     hashes = "#" * heading_level
@@ -76,6 +94,7 @@ def result_markdown(result: dict[str, Any], heading_level: int = 2) -> str:
         ("Semantic similarity (Spearman x100 of cosine vs. label)", sts_table(result)),
         ("Alignment and uniformity (Wang & Isola 2020)", align_table(result)),
         ("Frozen-encoder linear probe (logistic regression)", probe_table(result)),
+        ("Matryoshka dimensions (first k dims, re-normalised)", dims_table(result)),
     ):
         if table:
             parts.append(f"{hashes} {title}\n\n{table}\n")

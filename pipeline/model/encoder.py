@@ -40,7 +40,21 @@ Pooling = Literal["cls", "mean", "first_last_avg"]
 POOLINGS: tuple[str, ...] = ("cls", "mean", "first_last_avg")
 # transformers models whose constructor takes add_pooling_layer (the pooler we never use)
 POOLER_ARCHITECTURES = ("bert", "roberta", "xlm-roberta")
-__all__ = ["ENCODER_FILE", "POOLINGS", "SentenceEncoder", "pool"]
+__all__ = ["ENCODER_FILE", "POOLINGS", "SentenceEncoder", "pool", "truncate_normalise"]
+
+
+def truncate_normalise(vectors: np.ndarray, dim: int | None) -> np.ndarray:
+    """The first ``dim`` columns of (N, H) embeddings, rows re-normalised: a Matryoshka prefix, as
+    sentence-transformers' ``truncate_dim`` gives it followed by normalisation. ``None``: unchanged."""
+    if dim is None:
+        return vectors
+    if not 1 <= dim <= vectors.shape[-1]:
+        raise ConfigError(
+            f"truncate_dim {dim}: the embeddings are {vectors.shape[-1]}-d; pick 1..{vectors.shape[-1]}"
+        )
+    cut = vectors[..., :dim]
+    norm = np.linalg.norm(cut, axis=-1, keepdims=True)
+    return (cut / np.maximum(norm, 1e-12)).astype(vectors.dtype, copy=False)
 
 
 def _masked_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -196,11 +210,17 @@ class SentenceEncoder(nn.Module):
 
     @torch.no_grad()
     def encode(
-        self, texts: Sequence[str], batch_size: int = 128, progress: bool = False, desc: str = "encode"
+        self,
+        texts: Sequence[str],
+        batch_size: int = 128,
+        progress: bool = False,
+        desc: str = "encode",
+        truncate_dim: int | None = None,
     ) -> np.ndarray:
         """Embed ``texts`` in eval mode; returns float32 (N, H), rows L2-normalised.
 
         Sentences are sorted by length so each batch pads little, then put back in input order.
+        ``truncate_dim``: keep the first k dimensions and re-normalise (a Matryoshka prefix), (N, k).
         """
         from tqdm.auto import tqdm
 
@@ -216,7 +236,7 @@ class SentenceEncoder(nn.Module):
             batch = {k: v.to(device) for k, v in batch.items()}
             out[idx] = self(**batch).float().cpu().numpy()
         self.train(was_training)
-        return out
+        return truncate_normalise(out, truncate_dim)
 
     # ------------------------------------------------------------------------------------------ disk
     def save_pretrained(self, directory: str | Path) -> None:
