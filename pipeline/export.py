@@ -20,6 +20,13 @@ bundled STS-B train split; never a scored set) and stores it as ``DIR/similarity
 (:mod:`pipeline.evaluate.calibration`), with its held-out Brier score, ECE and a threshold table in the
 card; ``python -m pipeline similarity DIR "句子一" "句子二"`` reads it.
 
+A run trained with the ``matryoshka`` loss term (docs/objectives.md) needs nothing more in the folder:
+``SentenceTransformer(DIR, truncate_dim=k)`` keeps the first k dimensions and
+``encode(..., normalize_embeddings=True)`` re-normalises them, which is what our
+``SentenceEncoder.encode(texts, truncate_dim=k)`` returns. The card lists the trained widths (the
+run's ``matryoshka.dims`` and the full width, or ``--matryoshka-dims``) with their scores from the
+``dims`` of eval.json (``eval --dims``).
+
 ``first_last_avg`` (mean of the first and last layer's mean-pooled states) is exact in stock modules:
 a ``WeightedLayerPooling`` over layers 1..L with weights (1, 0, ..., 0, 1) averages the two layers per
 token, and mean pooling is linear, so mean-then-average equals average-then-mean.
@@ -105,7 +112,23 @@ class Config:
         None, "A pair means the same when label >= this (empty: 1 for 0/1 labels, 4 for 0-5 scores)."
     )
 
+    # `--matryoshka-dims 384,256,128,64` arrives as one string, `--matryoshka-dims 128` as an int: parsed in
+    # __post_init__
+    matryoshka_dims: list[int | str] | int = option(
+        factory=list,
+        help="Matryoshka widths the card lists, e.g. 384,256,128,64 (empty: the run's matryoshka.dims "
+        "and the full width, if it trained that term).",
+    )
+
     def __post_init__(self) -> None:
+        from pipeline.evaluate.run import parse_dims
+
+        self.matryoshka_dims = parse_dims(self.matryoshka_dims, "--matryoshka-dims")
+        if self.matryoshka_dims and self.whitening:
+            raise ConfigError(
+                "--matryoshka-dims with --whitening: the whitening rotates the space the prefixes were "
+                "trained in; export the Matryoshka model without --whitening"
+            )
         if not self.checkpoint:
             raise ConfigError("name the CHECKPOINT to export (a checkpoint, run dir or model folder)")
         if self.out is None:
@@ -409,6 +432,54 @@ def final_model_event(resolved: Any) -> dict[str, Any] | None:
     return found
 
 
+def matryoshka_dims(config: dict[str, Any], explicit: list[int], width: int, whitened: bool) -> list[int]:
+    """The widths the card lists: ``explicit`` (each <= ``width``), else the run's matryoshka.dims and
+    the full width; none for a whitened export (the whitening rotates the space the prefixes were
+    trained in) or a run without the term."""
+    if explicit:
+        wide = [d for d in explicit if d > width]
+        if wide:
+            raise ConfigError(
+                f"--matryoshka-dims {wide}: the model's embeddings are {width}-d; keep them <= {width}"
+            )
+        return explicit
+    entry = next((e for e in config.get("loss") or [] if isinstance(e, dict) and "matryoshka" in e), None)
+    if entry is None or whitened:
+        return []
+    trained = (entry["matryoshka"] or {}).get("dims") or [256, 128, 64]
+    return sorted({width, *(d for d in trained if d <= width)}, reverse=True)
+
+
+def matryoshka_card(dims: list[int], result: dict[str, Any] | None, name: str) -> list[str]:
+    """The card's section on the Matryoshka widths: usage and each width's avg5 and probe (eval --dims)."""
+    from pipeline.evaluate.tables import markdown_table
+
+    lines = [
+        "## Matryoshka dimensions\n",
+        f"Trained so that the first k dimensions, re-normalised, are an embedding of their own, for k in "
+        f"{', '.join(map(str, dims))}: {dims[-1]} of {dims[0]} dimensions are stored and searched at "
+        f"{dims[-1] / dims[0]:.0%} of the cost.\n",
+        "```python\nfrom sentence_transformers import SentenceTransformer\n\n"
+        f'model = SentenceTransformer("{name}", truncate_dim={dims[len(dims) // 2]})\n'
+        'embeddings = model.encode(["今天天气很好", "今天是个好天气"], normalize_embeddings=True)\n```\n',
+        "`truncate_dim` keeps the first k dimensions; `normalize_embeddings=True` re-normalises them (or "
+        "compare with `model.similarity`, a cosine).\n",
+    ]
+    scored = (result or {}).get("dims") or {}
+    rows = []
+    for dim in dims:
+        entry = scored.get(str(dim)) or {}
+        rows.append([dim, (entry.get("sts") or {}).get("avg5"), (entry.get("probe") or {}).get("accuracy")])
+    if any(r[1] is not None or r[2] is not None for r in rows):
+        lines.append(markdown_table(["dims", "avg5 (Spearman x100)", "probe accuracy"], rows) + "\n")
+    else:
+        lines.append(
+            f"Not evaluated per width yet: run `python -m pipeline eval CHECKPOINT --dims "
+            f"{','.join(map(str, dims))}` and export again.\n"
+        )
+    return lines
+
+
 def _get(data: dict[str, Any], dotted: str) -> Any:
     node: Any = data
     for part in dotted.split("."):
@@ -448,6 +519,7 @@ def model_card(
     repo_id: str | None,
     whitening: dict[str, Any] | None = None,
     calibration: Any = None,
+    dims: list[int] | None = None,
 ) -> str:
     from pipeline.evaluate.resolve import describe
     from pipeline.evaluate.tables import markdown_table, result_markdown
@@ -520,6 +592,8 @@ def model_card(
         )
     if calibration is not None:
         lines += calibration_card(calibration)
+    if dims:
+        lines += matryoshka_card(dims, result, name)
     lines.append("## Evaluation\n")
     if result:
         lines.append(
@@ -596,14 +670,15 @@ def run(cfg: Config) -> int:
     encoder = resolve.load_encoder(resolved, pooling=cfg.pooling, prefix=cfg.prefix)
     whitening = add_whitening(encoder, cfg) if cfg.whitening else None
     calibration = add_calibration(encoder, cfg) if cfg.calibrate else None
+    config = find_config_yaml(resolved)
+    dims = matryoshka_dims(config, cfg.matryoshka_dims, encoder.dim, whitening is not None)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         write_sentence_transformers_folder(encoder, tmp)
         card = model_card(
-            encoder, resolved, find_config_yaml(resolved), result, cfg.license, cfg.push_to_hub, whitening,
-            calibration,
+            encoder, resolved, config, result, cfg.license, cfg.push_to_hub, whitening, calibration, dims
         )  # fmt: skip
         if calibration is not None:
             from pipeline.evaluate.calibration import CALIBRATION_FILE
@@ -619,8 +694,10 @@ def run(cfg: Config) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     whitened = ", whitened" if whitening else ""
+    nested = f", Matryoshka dims {','.join(map(str, dims))}" if dims else ""
     print(
-        f"wrote sentence-transformers folder {out} ({encoder.pooling} pooling{whitened}, dim {encoder.dim})"
+        f"wrote sentence-transformers folder {out} ({encoder.pooling} pooling{whitened}, dim {encoder.dim}"
+        f"{nested})"
     )
     if calibration is not None:
         held = calibration.info["held_out"]

@@ -69,3 +69,11 @@ def test_encode_truncate_dim_is_the_renormalised_prefix(tiny_model):  # noqa: F8
     assert truncate_normalise(full, None) is full
     with pytest.raises(ConfigError, match="truncate_dim 33: the embeddings are 32-d"):
         encoder.encode(texts, truncate_dim=33)
+
+
+def test_dims_forms_of_the_command_line():
+    from pipeline.evaluate.run import parse_dims
+
+    assert parse_dims(["384,128"], "--dims") == [384, 128]  # --dims 384,128
+    assert parse_dims(128, "--dims") == [128]  # --dims 128 (YAML reads an int)
+    assert parse_dims([64, "256"], "--dims") == [256, 64]  # repeated flags, any order

@@ -71,8 +71,8 @@ class Config:
         None, "Override the text prefix put before every sentence (empty = the folder's rule)."
     )
     progress: bool = option(True, "Show progress bars while encoding.")
-    # list[int | str]: `--dims 384,256,128,64` arrives as one string, split in __post_init__
-    dims: list[int | str] = option(
+    # `--dims 384,256,128,64` arrives as one string and `--dims 128` as an int: parsed in __post_init__
+    dims: list[int | str] | int = option(
         factory=list,
         help="Also score these Matryoshka widths (e.g. 384,256,128,64): STS and the probe on each "
         "re-normalised prefix, from the same encoding.",
@@ -102,10 +102,10 @@ class Config:
         self.dims = parse_dims(self.dims, "--dims")
 
 
-def parse_dims(values: list[int | str], flag: str) -> list[int]:
-    """Widths from ``[384, 128]``, ``["384,128"]`` or repeated flags: distinct, largest first."""
+def parse_dims(values: list[int | str] | int, flag: str) -> list[int]:
+    """Widths from ``[384, 128]``, ``["384,128"]``, ``128`` or repeated flags: distinct, largest first."""
     dims: list[int] = []
-    for value in values:
+    for value in values if isinstance(values, list) else [values]:
         for part in str(value).split(","):
             if not part.strip().isdigit() or int(part) < 1:
                 raise ConfigError(
