@@ -256,7 +256,9 @@ def help_lines(cls: type, prefix: str = "") -> list[str]:
     """``--key (type, default): help`` lines for every field, sections flattened with dots."""
     lines = []
     types_ = _field_types(cls)
-    for f in dataclasses.fields(cls):
+    own = set(cls.__dict__.get("__annotations__", {}))
+    # A class's own fields first, then those it inherits (e.g. a stage's execution options).
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
         tp = types_[f.name]
         if dataclasses.is_dataclass(tp):
             lines.extend(help_lines(tp, f"{prefix}{f.name}."))

@@ -1,4 +1,8 @@
-"""The per-shard stage machinery shared by ``augment`` and ``teacher``.
+"""The per-shard stage machinery shared by ``augment``, ``teacher`` and ``tokenize``.
+
+:class:`Execution` is how any offline stage runs (preprocess too): local workers, its task of a SLURM
+array, finalize-only, progress. The stages' configs inherit it, so the options, their checks and their
+help are written once; being about how and not what, its fields stay out of every manifest.
 
 Such a stage turns every input shard into an output shard of the same name. Its units of work are
 shards: local worker processes and SLURM array tasks (task t takes the shards i with
@@ -18,14 +22,44 @@ import multiprocessing as mp
 import queue
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import InputError
+from pipeline.config import option
+from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_json
 from pipeline.shards import MANIFEST, read_manifest
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)  # keyword-only: a stage's own fields may come without defaults
+class Execution:
+    """How an offline stage runs, not what it produces: the same output for any of these values."""
+
+    workers: int = option(1, "Local worker processes; each takes whole units of work (shards).")
+    task_index: int = option(0, "This task's index among --num-tasks (SLURM_ARRAY_TASK_ID).")
+    num_tasks: int = option(1, "Number of tasks sharing the work (SLURM_ARRAY_TASK_COUNT).")
+    finalize_only: bool = option(
+        False, "Only write manifest.json from finished shards (fails if any is missing)."
+    )
+    progress: bool = option(
+        True, "Show progress: a bar on a terminal, a line every 30 s in a log (PIPELINE_PROGRESS_SECONDS)."
+    )
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ConfigError("--workers must be >= 1")
+        if self.num_tasks < 1 or not 0 <= self.task_index < self.num_tasks:
+            raise ConfigError(
+                f"task_index must be in [0, num_tasks), got {self.task_index} of {self.num_tasks}; "
+                "for a SLURM array pass --task-index $SLURM_ARRAY_TASK_ID --num-tasks $SLURM_ARRAY_TASK_COUNT"
+            )
+
+
+# The fields a stage leaves out of its manifest and run fingerprint (with its output directory).
+EXECUTION_FIELDS = ("out", *(f.name for f in fields(Execution)))
 
 
 def record_path(record_dir: Path, shard_name: str) -> Path:

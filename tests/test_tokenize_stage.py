@@ -297,3 +297,37 @@ def test_training_on_ids_equals_training_on_text_and_resumes_exactly(tmp_path, s
     assert resumed["param_checksum"] == full["param_checksum"]
     assert resumed["queue_checksum"] == full["queue_checksum"] and resumed["cursor"] == full["cursor"]
     assert full["cursor"]["bucket_window"] == (2 if bucketing else 0)
+
+
+def test_finalize_only_waits_for_every_shard_and_progress_counts_sentences(tmp_path, shards, model, capsys):
+    """The offline stages share one execution config (pipeline.stages.Execution): tokenize too takes
+    --finalize-only (refused while a shard is missing, naming it) and reports progress in sentences."""
+    out = tmp_path / "fin"
+    tokenize(shards, out, model, task_index=0, num_tasks=3)  # shard 0 only
+    with pytest.raises(InputError, match="shard-000001.tar"):
+        tokenize(shards, out, model, finalize_only=True)
+    capsys.readouterr()
+    tokenize(shards, out, model, progress=True)  # the other two, with the progress bar on
+    err = capsys.readouterr().err
+    assert "tokenize: 100%" in err  # the last line of the bar: every sentence of shards 1 and 2
+    assert (out / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("stage", ["preprocess", "augment", "teacher", "tokenize"])
+def test_every_stage_shares_the_execution_options_and_their_check(stage):
+    import importlib
+
+    from pipeline.cli import COMMANDS
+    from pipeline.stages import Execution
+
+    config = importlib.import_module(COMMANDS[stage].module).Config
+    assert issubclass(config, Execution)
+    with pytest.raises(ConfigError, match=r"task_index must be in \[0, num_tasks\)"):
+        config(**{"task_index": 3, "num_tasks": 2, **REQUIRED.get(stage, {})})
+
+
+REQUIRED = {
+    "augment": {"shards": Path("in"), "out": Path("out")},
+    "teacher": {"shards": Path("in"), "out": Path("out"), "model": "m"},
+    "tokenize": {"shards": Path("in"), "out": Path("out"), "model": "m"},
+}

@@ -27,6 +27,8 @@ from pipeline.io import atomic_write_json, sha256_file
 from pipeline.resources import CILIN
 from pipeline.shards import MANIFEST, read_manifest, read_shard, verify_shard, write_manifest, write_shard
 from pipeline.stages import (
+    EXECUTION_FIELDS,
+    Execution,
     already_done,
     claim_out_dir,
     finished_records,
@@ -43,7 +45,6 @@ log = logging.getLogger(__name__)
 STOPWORDS = Path(__file__).resolve().parent / "stopwords_zh.txt"
 WORK_DIR = ".augment-work"  # per-shard completion records of an unfinished run (not part of the output)
 # Fields that say how to run, not what to compute: left out of the manifest so outputs compare equal.
-EXECUTION_FIELDS = ("out", "workers", "task_index", "num_tasks", "finalize_only", "progress")
 VARIANT_FIELDS = [
     pa.field("variants", pa.list_(pa.string()), nullable=False),
     pa.field("variant_ops", pa.list_(pa.string()), nullable=False),
@@ -51,7 +52,7 @@ VARIANT_FIELDS = [
 
 
 @dataclass
-class Config:
+class Config(Execution):
     shards: Path = option(help="Input directory written by `preprocess` (manifest.json + shards).")
     out: Path = option(help="Output directory for the augmented shards and their manifest.")
     num_variants: int = option(4, "Variants per sentence (LUSE uses 4). Short sentences may get fewer.")
@@ -79,15 +80,9 @@ class Config:
     )
     stopwords: Path | None = option(None, "Stopword file, one word per line (default: the bundled list).")
     hmm: bool = option(False, "Let jieba guess unknown words with its HMM (slower, rarely matters for EDA).")
-    workers: int = option(1, "Local worker processes; each takes whole shards.")
-    task_index: int = option(0, "This task's index among --num-tasks (SLURM_ARRAY_TASK_ID).")
-    num_tasks: int = option(1, "Number of tasks sharing the shards (SLURM_ARRAY_TASK_COUNT).")
-    finalize_only: bool = option(
-        False, "Only write manifest.json from finished shards (fails if any is missing)."
-    )
-    progress: bool = option(True, "Show a progress bar (sentences/s).")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.num_variants < 1:
             raise ConfigError("num_variants must be >= 1; set --num-variants to a positive number")
         for op in OPS:
@@ -119,13 +114,6 @@ class Config:
             raise ConfigError(
                 "synonyms=vectors needs --synonyms-path CACHE.parquet (build it with `python -m pipeline "
                 "synonyms`)"
-            )
-        if self.workers < 1:
-            raise ConfigError("workers must be >= 1")
-        if self.num_tasks < 1 or not 0 <= self.task_index < self.num_tasks:
-            raise ConfigError(
-                f"task_index must be in [0, num_tasks), got {self.task_index} of {self.num_tasks}; "
-                "for a SLURM array pass --task-index $SLURM_ARRAY_TASK_ID --num-tasks $SLURM_ARRAY_TASK_COUNT"
             )
 
     def eda_params(self) -> EdaParams:

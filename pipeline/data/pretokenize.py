@@ -15,12 +15,11 @@ depend on its rows only, so the output does not depend on workers, tasks or rest
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import itertools
 import logging
-import multiprocessing as mp
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,10 +47,13 @@ from pipeline.shards import (
     write_shard,
 )
 from pipeline.stages import (
+    EXECUTION_FIELDS,
+    Execution,
     already_done,
     claim_out_dir,
     finished_records,
     own_shards,
+    process_shards,
     read_record,
     record_path,
     remove_stale_temps,
@@ -62,33 +64,23 @@ log = logging.getLogger(__name__)
 
 WORK_DIR = ".tokenize-work"  # completion records of finished shards
 # How to run, not what to compute: left out of the manifest so outputs compare equal.
-EXECUTION_FIELDS = ("out", "workers", "task_index", "num_tasks")
 CARRIED = ("teacher", "hard_negatives")  # input manifest records the trainer checks; kept as they are
 
 
 @dataclass
-class Config:
+class Config(Execution):
     shards: Path | None = option(None, "Input directory written by `augment`, `teacher` or `preprocess`.")
     out: Path | None = option(None, "Output directory for the shards with token ids.")
     model: str | None = option(None, "Model folder (models/e5-small) whose tokenizer and prefix to use.")
     max_length: int = option(64, "Token limit per text, specials included; must equal data.max_length.")
     prefix: str | None = option(None, "Text prefix (empty = the model folder's rule, as model.prefix).")
-    workers: int = option(1, "Local worker processes; each takes whole shards.")
-    task_index: int = option(0, "This task's index among --num-tasks (SLURM_ARRAY_TASK_ID).")
-    num_tasks: int = option(1, "Number of tasks sharing the shards (SLURM_ARRAY_TASK_COUNT).")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.shards is None or self.out is None or not self.model:
             raise ConfigError("usage: python -m pipeline tokenize --shards IN --out OUT --model MODEL_DIR")
         if self.max_length < 4:
             raise ConfigError("--max-length must be >= 4 tokens (data.max_length of the training run)")
-        if self.workers < 1:
-            raise ConfigError("--workers must be >= 1")
-        if self.num_tasks < 1 or not 0 <= self.task_index < self.num_tasks:
-            raise ConfigError(
-                f"task_index must be in [0, num_tasks), got {self.task_index} of {self.num_tasks}; "
-                "for a SLURM array pass --task-index $SLURM_ARRAY_TASK_ID --num-tasks $SLURM_ARRAY_TASK_COUNT"
-            )
 
 
 # --------------------------------------------------------------------------------------------- tokenizer
@@ -167,7 +159,7 @@ class ShardJob:
     shard_index: int
 
 
-def tokenize_shard(job: ShardJob, encoder: IdEncoder) -> dict[str, Any]:
+def tokenize_shard(job: ShardJob, encoder: IdEncoder, report: Callable[[int], Any]) -> dict[str, Any]:
     """Verify one input shard, write its copy with the id columns, then its completion record."""
     in_path = verify_shard(job.in_dir, job.entry)
     remove_stale_temps(job.out_dir, job.entry["name"])
@@ -194,6 +186,7 @@ def tokenize_shard(job: ShardJob, encoder: IdEncoder) -> dict[str, Any]:
                 counts["tokens"] += len(flat)
                 counts["texts_tokenized"] += len(ids) if text_name == "text" else len(ids.flatten())
                 block = block.append_column(pa.field(ids_name, ids.type, nullable=False), ids)
+            report(block.num_rows)
             yield block
 
     entry = write_shard(job.out_dir / job.entry["name"], out_blocks(), job.shard_index)
@@ -207,13 +200,14 @@ def tokenize_shard(job: ShardJob, encoder: IdEncoder) -> dict[str, Any]:
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(args: tuple[str, str, int, str]) -> None:
+def _init_worker(args: tuple[str, str, int, str], progress: Any) -> None:  # + the progress queue
     tokenizer_json, prefix, max_length, dtype = args
     _worker["encoder"] = IdEncoder(tokenizer_json, prefix, max_length, pa.type_for_alias(dtype))
+    _worker["progress"] = progress
 
 
 def _run_in_worker(job: ShardJob) -> dict[str, Any]:
-    return tokenize_shard(job, _worker["encoder"])
+    return tokenize_shard(job, _worker["encoder"], _worker["progress"].put)
 
 
 # --------------------------------------------------------------------------------------------- driver
@@ -226,7 +220,7 @@ def run_fingerprint(cfg: Config, in_manifest_sha: str, tokenizer: dict[str, Any]
 def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, Any]) -> bool:
     """Write manifest.json once every shard is done; return whether it did."""
     names = [e["name"] for e in in_manifest["shards"]]
-    records = finished_records(cfg.out, cfg.out / WORK_DIR, cfg.out, names, False, "tokenize")
+    records = finished_records(cfg.out, cfg.out / WORK_DIR, cfg.out, names, cfg.finalize_only, "tokenize")
     if records is None:
         return (cfg.out / MANIFEST).is_file()
     counts = {key: sum(r["counts"][key] for r in records) for key in records[0]["counts"]}
@@ -263,24 +257,33 @@ def run(cfg: Config) -> int:
         return 0
     claim_out_dir(cfg.out, WORK_DIR, fingerprint, "tokenize", "config, input or tokenizer")
     record_dir, entries = cfg.out / WORK_DIR, in_manifest["shards"]
-    mine = own_shards(entries, cfg.task_index, cfg.num_tasks)
-    jobs = [
-        ShardJob(cfg.shards, entries[i], cfg.out, record_dir, shard_index(entries[i]["name"], i))
-        for i in mine
-        if read_record(record_dir, cfg.out, entries[i]["name"]) is None
-    ]
-    log.info("task %d/%d: %d shard(s), %d to do", cfg.task_index, cfg.num_tasks, len(mine), len(jobs))
-    init = (canonical_tokenizer(tokenizer).to_str(), prefix, cfg.max_length, record["dtype"])
-    if cfg.workers == 1 or len(jobs) <= 1:
-        _init_worker(init)
-        for job in jobs:
-            _run_in_worker(job)
-    elif jobs:
-        ctx = mp.get_context("spawn")
-        with cf.ProcessPoolExecutor(
-            min(cfg.workers, len(jobs)), mp_context=ctx, initializer=_init_worker, initargs=(init,)
-        ) as pool:
-            for future in cf.as_completed([pool.submit(_run_in_worker, job) for job in jobs]):
-                future.result()  # re-raises a worker's InputError naming the shard
+    if not cfg.finalize_only:
+        mine = own_shards(entries, cfg.task_index, cfg.num_tasks)
+        jobs = [
+            ShardJob(cfg.shards, entries[i], cfg.out, record_dir, shard_index(entries[i]["name"], i))
+            for i in mine
+            if read_record(record_dir, cfg.out, entries[i]["name"]) is None
+        ]
+        log.info("task %d/%d: %d shard(s), %d to do", cfg.task_index, cfg.num_tasks, len(mine), len(jobs))
+        init = (canonical_tokenizer(tokenizer).to_str(), prefix, cfg.max_length, record["dtype"])
+
+        def run_here(jobs: list[ShardJob], report: Callable[[int], Any]) -> None:
+            args = (init[0], init[1], init[2], pa.type_for_alias(init[3]))
+            encoder = IdEncoder(*args)
+            for job in jobs:
+                tokenize_shard(job, encoder, report)
+
+        total = sum(job.entry["sentences"] for job in jobs)
+        process_shards(
+            jobs,
+            cfg.workers,
+            total,
+            "tokenize",
+            cfg.progress,
+            run_here,
+            _init_worker,
+            (init,),
+            _run_in_worker,
+        )
     finalize(cfg, in_manifest, fingerprint)
     return 0

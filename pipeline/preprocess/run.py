@@ -38,6 +38,7 @@ from pipeline.preprocess.neardup import NearDupParams
 from pipeline.preprocess.readers import COLLECTIONS, Unit, expand_inputs, plan_units
 from pipeline.resources import SAMPLE_CORPUS
 from pipeline.shards import MANIFEST, new_manifest, shard_name, write_manifest
+from pipeline.stages import EXECUTION_FIELDS, Execution
 
 log = logging.getLogger(__name__)
 
@@ -48,17 +49,7 @@ InputFormat = Literal[
 
 # Options that say how to run, not what to produce: left out of the manifest (so it is identical for
 # any --workers/--num-tasks) and free to change when a stopped run is resumed.
-EXECUTION_KEYS = (
-    "out",
-    "work_dir",
-    "workers",
-    "task_index",
-    "num_tasks",
-    "phase",
-    "overwrite",
-    "strict",
-    "progress",
-)
+EXECUTION_KEYS = (*EXECUTION_FIELDS, "work_dir", "phase", "overwrite", "strict")
 WORK_DIR_NAME = ".work"
 PARTITION_TARGET_BYTES = 16 << 20  # auto num_partitions: about this much input per partition
 
@@ -82,17 +73,17 @@ class TextFields:
 
 
 @dataclass
-class Config:
+class Config(Execution):
     inputs: list[Path] = option(
         factory=lambda: [SAMPLE_CORPUS],
         help="Input files, directories or globs (plain text or JSON lines; .gz/.bz2/.zip read as is).",
     )
     out: Path = option(Path("data/preprocessed"), "Output directory for shard-*.tar and manifest.json.")
     work_dir: Path | None = option(None, "Intermediate files (default OUT/.work); removed when finished.")
-    workers: int = option(1, "Local worker processes for each phase.")
-    task_index: int = option(0, "This task's index in a SLURM array (SLURM_ARRAY_TASK_ID).")
-    num_tasks: int = option(1, "Tasks in the SLURM array sharing each phase (SLURM_ARRAY_TASK_COUNT).")
-    phase: Phase = option("all", "all | split | dedup | shards | finalize (arrays run one phase each).")
+    phase: Phase = option(
+        "all",
+        "all | split | dedup | shards | finalize (arrays run one phase each; --finalize-only = finalize).",
+    )
     input_format: InputFormat = option("auto", "Input format; auto detects it per file from its first lines.")
     text_fields: TextFields = option(factory=TextFields, help="Fields that become text, per collection.")
     min_chars: int = option(5, "Drop sentences shorter than this many characters.")
@@ -122,18 +113,18 @@ class Config:
     seed: int = option(0, "Seed of the global shuffle.")
     strict: bool = option(False, "Stop at the first bad record with its file:line instead of counting it.")
     overwrite: bool = option(False, "Delete a previous output in --out first.")
-    progress: bool = option(
-        True, "Show progress: a bar on a terminal, a line every 30 s in a log (PIPELINE_PROGRESS_SECONDS)."
-    )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.finalize_only:  # the offline stages' common option: preprocess's last phase
+            if self.phase not in ("all", "finalize"):
+                raise ConfigError(f"--finalize-only contradicts --phase {self.phase}; pass one of them")
+            self.phase = "finalize"
         if not self.inputs:
             raise ConfigError("no inputs: pass input files or globs, e.g. `preprocess data/*.json.gz`")
-        for name in ("workers", "num_tasks", "sentences_per_shard", "rows_per_block", "min_chars"):
+        for name in ("sentences_per_shard", "rows_per_block", "min_chars"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.task_index < self.num_tasks:
-            raise ConfigError(f"task_index must be in [0, num_tasks={self.num_tasks}), got {self.task_index}")
         if self.num_tasks > 1 and self.phase == "all":
             raise ConfigError(
                 "with --num_tasks > 1 choose one --phase (split, dedup, shards, finalize) per array"

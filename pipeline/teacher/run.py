@@ -47,7 +47,9 @@ from pipeline.shards import (
     write_manifest,
     write_shard,
 )
+from pipeline.stages import EXECUTION_FIELDS as STAGE_EXECUTION_FIELDS
 from pipeline.stages import (
+    Execution,
     already_done,
     claim_out_dir,
     finished_records,
@@ -67,13 +69,13 @@ WORK_DIR = ".teacher-work"  # completion records (and, with hard negatives, the 
 ENCODED = "encoded"  # WORK_DIR/encoded/: shards with the teacher column, before mining
 # How to run, not what to compute: left out of the manifest so outputs compare equal. ``dtype`` is
 # recorded as the manifest's ``teacher.dtype`` instead (so a float16 manifest is what it always was).
-EXECUTION_FIELDS = ("out", "workers", "task_index", "num_tasks", "finalize_only", "progress", "device")
+EXECUTION_FIELDS = (*STAGE_EXECUTION_FIELDS, "device")
 RECORDED_IN_TEACHER = ("dtype",)
 Precision = Literal["fp32", "fp16", "bf16"]
 
 
 @dataclass
-class Config:
+class Config(Execution):
     shards: Path | None = option(
         None,
         "Input directory written by `augment` (or `preprocess`), or a float16 teacher output to convert.",
@@ -105,21 +107,15 @@ class Config:
     hn_index: Literal["flat", "ivf", "hnsw"] = option(
         "flat", "faiss index over the teacher vectors: flat (exact), ivf or hnsw (large corpora)."
     )
-    workers: int = option(1, "Local worker processes; each loads the teacher and takes whole shards.")
-    task_index: int = option(0, "This task's index among --num-tasks (SLURM_ARRAY_TASK_ID).")
-    num_tasks: int = option(1, "Number of tasks sharing the shards (SLURM_ARRAY_TASK_COUNT).")
-    finalize_only: bool = option(
-        False, "Only mine (if asked) and write manifest.json from finished shards (fails if any is missing)."
-    )
-    progress: bool = option(True, "Show a progress bar (sentences/s).")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.shards is None or self.out is None:
             raise ConfigError("usage: python -m pipeline teacher --shards IN --out OUT --model TEACHER")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
-        if self.batch_size < 1 or self.workers < 1:
-            raise ConfigError("--batch-size and --workers must be >= 1")
+        if self.batch_size < 1:
+            raise ConfigError("--batch-size must be >= 1")
         if self.max_length is not None and self.max_length < 4:
             raise ConfigError("--max-length must be >= 4 tokens (or empty for the model's)")
         if self.hard_negatives < 0:
@@ -133,11 +129,6 @@ class Config:
             raise ConfigError(
                 "need -1 <= --hn-min-similarity < --hn-max-similarity <= 1 (cosines), got "
                 f"{self.hn_min_similarity} and {self.hn_max_similarity}"
-            )
-        if self.num_tasks < 1 or not 0 <= self.task_index < self.num_tasks:
-            raise ConfigError(
-                f"task_index must be in [0, num_tasks), got {self.task_index} of {self.num_tasks}; "
-                "for a SLURM array pass --task-index $SLURM_ARRAY_TASK_ID --num-tasks $SLURM_ARRAY_TASK_COUNT"
             )
 
 
