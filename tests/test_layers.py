@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pipeline.losses",),  # loss terms over embeddings
     ("pipeline.data",),  # training batches from shards and pair files
     ("pipeline.preprocess", "pipeline.augment", "pipeline.evaluate"),  # offline stages; scoring
-    ("pipeline.export", "pipeline.search", "pipeline.similarity", "pipeline.finetune", "pipeline.models"),
+    ("pipeline.export", "pipeline.search", "pipeline.similarity", "pipeline.finetune", "pipeline.pretrained"),
     ("pipeline.teacher",),  # the teacher stage (encodes, mines)
     ("pipeline.train",),  # the trainer
     ("pipeline.shards_command", "pipeline.cli"),  # commands
