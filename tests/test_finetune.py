@@ -297,3 +297,17 @@ def test_sigkill_mid_run_then_rerun_redoes_nothing_and_loses_nothing(toy, tmp_pa
         a = json.loads(path.read_text(encoding="utf-8"))
         b = json.loads((out / path.relative_to(reference)).read_text(encoding="utf-8"))
         assert (a["dev"], a["test"]) == (b["dev"], b["test"])
+
+
+def test_cosent_head_trains_the_similarity_task(toy, tmp_path):
+    out = tmp_path / "cosent"
+    args = _args(toy, out, "--sim-head", "cosent", "--tasks", "toysim")
+    assert main(args) == 0
+    result = json.loads((out / "finetune.json").read_text(encoding="utf-8"))
+    assert list(result["tasks"]) == ["toysim"] and result["config"]["sim_head"] == "cosent"
+    for regime in ("train", "freeze"):
+        assert result["tasks"]["toysim"]["regimes"][regime]["mean"] > 20.0
+    (freeze,) = (out / "cells" / "toysim").glob("freeze-*.json")
+    curve = json.loads(freeze.read_text(encoding="utf-8"))["epoch_losses"]
+    # the MLP's CoSENT loss fell; it starts near ln(1 + 8 * 8) = 4.2 (16 pairs a batch, half positive)
+    assert curve[-1] < curve[0] - 0.2

@@ -114,10 +114,7 @@ class Config:
         if unknown:
             raise ConfigError(f"--tasks: unknown {unknown}; choose from {', '.join(BUILTIN)} or --task-files")
         if self.task_files and self.tasks == list(BUILTIN):
-            self.tasks = []  # own tasks given and --tasks left at its default: run only those
-        for name in own:
-            if name not in self.tasks:
-                self.tasks.append(name)
+            self.tasks = list(own)  # own tasks given and --tasks left at its default: run only those
         bad = [r for r in self.regimes if r not in REGIMES]
         if bad or not self.regimes:
             raise ConfigError(f"--regimes {bad or '[]'}: choose train and/or freeze")
