@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from pipeline.augment import run as augment
-from pipeline.augment import vector_synonyms as vs
 from pipeline.io import atomic_write_json
 from pipeline.resources import SAMPLE_CORPUS
 from pipeline.shards import BASE_SCHEMA, new_manifest, read_manifest, sentence_id, shard_name, write_shard
+from pipeline.stages.augment import run as augment
+from pipeline.stages.augment import vector_synonyms as vs
 
 
 # --------------------------------------------------------------------------------------------- EDA input
@@ -46,7 +46,7 @@ def corpus_head(path: Path, sentences: int) -> Path:
 
 
 def input_with_preprocess(work: Path, sentences: int, per_shard: int) -> Path:
-    from pipeline.preprocess.run import Config, run
+    from pipeline.stages.preprocess.run import Config, run
 
     out = work / "preprocessed"
     run(Config(inputs=[corpus_head(work / "corpus.txt", sentences)], out=out, sentences_per_shard=per_shard))

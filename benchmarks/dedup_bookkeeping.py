@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from pipeline.preprocess import passes, run
+from pipeline.stages.preprocess import passes, run
 
 mode, work = sys.argv[1], Path(sys.argv[2])
 units = len(list((work / "split").glob("*.json")))

@@ -26,10 +26,10 @@ import time
 
 import numpy as np
 
-from pipeline.preprocess.neardup import NearDupParams, band_hashes, near_duplicates, signatures
-from pipeline.preprocess.passes import text_ids
-from pipeline.preprocess.text import clean_paragraphs, split_sentences
 from pipeline.resources import SAMPLE_CORPUS
+from pipeline.stages.preprocess.neardup import NearDupParams, band_hashes, near_duplicates, signatures
+from pipeline.stages.preprocess.passes import text_ids
+from pipeline.stages.preprocess.text import clean_paragraphs, split_sentences
 
 LEAD_INS = ["据悉，", "记者获悉，", "【转载】", "原标题：", "新华社消息，"]
 TAGS = ["（图）", "（来源：新华网）", "（完）", "。转自人民网", "（记者 王伟）"]

@@ -34,9 +34,9 @@ from pathlib import Path
 import psutil
 import pyarrow.compute as pc
 
-from pipeline.preprocess.text import clean_paragraphs, split_sentences
 from pipeline.resources import SAMPLE_CORPUS
 from pipeline.shards import read_manifest, read_shard
+from pipeline.stages.preprocess.text import clean_paragraphs, split_sentences
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,7 @@
         --baseline /tmp/base-checkout        # a checkout of an older commit (git worktree add ...)
 
 Each file is read as plain lines (one paragraph per line), cleaned, split and filtered with the
-default options by this checkout's ``pipeline.preprocess.text`` and, with ``--baseline``, by the
+default options by this checkout's ``pipeline.stages.preprocess.text`` and, with ``--baseline``, by the
 baseline's (loaded from its file), and the kept sentences are checked for what issue 23 asks:
 
   markup        kept sentences with "-{", "}-", an HTML tag or an HTML entity
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from pipeline.preprocess import text as current
+from pipeline.stages.preprocess import text as current
 
 MARKUP = re.compile(r"-\{|\}-|<[A-Za-z/!][^<>]*>|&(?:#\d+|[A-Za-z]+);")
 LEADING = tuple("，、,：:；;）)」』”’》】〕〗〉")
@@ -34,7 +34,9 @@ LATIN = re.compile(r"[A-Za-z\u00c0-\u024f]")
 
 
 def load(repo: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("baseline_text", repo / "pipeline/preprocess/text.py")
+    spec = importlib.util.spec_from_file_location(
+        "baseline_text", repo / "pipeline/stages/preprocess/text.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -77,7 +79,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("files", nargs="+", type=Path)
-    parser.add_argument("--baseline", type=Path, help="checkout whose pipeline/preprocess/text.py to compare")
+    parser.add_argument(
+        "--baseline", type=Path, help="checkout whose pipeline/stages/preprocess/text.py to compare"
+    )
     args = parser.parse_args()
     modules = [("current", current)] + ([("baseline", load(args.baseline))] if args.baseline else [])
     for path in args.files:

@@ -127,7 +127,7 @@ def token_length(text: str, max_length: int) -> int:
 def read_sentences(shards: Path | None, work: Path) -> tuple[list[str], int, str]:
     """Texts of a preprocessed shard directory and its total shard bytes; preprocess the sample if absent."""
     if shards is None or not (shards / "manifest.json").is_file():
-        from pipeline.preprocess.run import Config, run
+        from pipeline.stages.preprocess.run import Config, run
 
         shards = work / "preprocessed"
         log.info("no preprocessed shards given: running `preprocess` on %s into %s", SAMPLE_CORPUS, shards)
@@ -144,7 +144,7 @@ def read_sentences(shards: Path | None, work: Path) -> tuple[list[str], int, str
 
 def eda_variants(texts: list[str], num_variants: int, work: Path) -> list[list[str]]:
     """The project's EDA variants (default augment options, Cilin synonyms) of ``texts``."""
-    from pipeline.augment.run import Config, build_augmenter
+    from pipeline.stages.augment.run import Config, build_augmenter
 
     augmenter = build_augmenter(Config(shards=work, out=work / "unused", num_variants=num_variants))
     return [augmenter.augment(sentence_id(t), t)[0] for t in texts]

@@ -34,8 +34,8 @@ sys.path.insert(0, str(REPO))
 
 from pipeline.evaluate.sts import STS_SETS, load_sts_sets, pair_cosine, spearman100  # noqa: E402
 from pipeline.model import SentenceEncoder  # noqa: E402
-from pipeline.model.surgery import Config, dir_bytes, make_student, token_strings  # noqa: E402
 from pipeline.resources import EVAL_DIR  # noqa: E402
+from pipeline.stages.student import Config, dir_bytes, make_student, token_strings  # noqa: E402
 
 
 def eval_sentences() -> list[str]:

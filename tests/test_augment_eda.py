@@ -7,7 +7,9 @@ from collections import Counter
 import jieba
 import pytest
 
-from pipeline.augment.eda import (
+from pipeline.errors import InputError
+from pipeline.resources import CILIN
+from pipeline.stages.augment.eda import (
     Augmenter,
     EdaParams,
     Sentence,
@@ -16,10 +18,8 @@ from pipeline.augment.eda import (
     random_swap,
     synonym_replacement,
 )
-from pipeline.augment.run import STOPWORDS
-from pipeline.augment.synonyms import SynonymSource, load_cilin, load_stopwords
-from pipeline.errors import InputError
-from pipeline.resources import CILIN
+from pipeline.stages.augment.run import STOPWORDS
+from pipeline.stages.augment.synonyms import SynonymSource, load_cilin, load_stopwords
 
 SENTENCE = "我们今天去公园散步，天气非常好。"
 

@@ -12,8 +12,6 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from pipeline.augment.run import WORK_DIR, Config
-from pipeline.augment.run import run as augment
 from pipeline.cli import build_config
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_json, sha256_file
@@ -27,6 +25,8 @@ from pipeline.shards import (
     shard_name,
     write_shard,
 )
+from pipeline.stages.augment.run import WORK_DIR, Config
+from pipeline.stages.augment.run import run as augment
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,10 +9,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.augment import vector_synonyms as vs
-from pipeline.augment.eda import Sentence, synonym_replacement
-from pipeline.augment.synonyms import load_vector_cache
 from pipeline.errors import ConfigError, InputError
+from pipeline.stages.augment import vector_synonyms as vs
+from pipeline.stages.augment.eda import Sentence, synonym_replacement
+from pipeline.stages.augment.synonyms import load_vector_cache
 
 TOP_K, THRESHOLD = 5, 0.5
 

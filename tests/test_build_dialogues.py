@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from pipeline.preprocess import build_dialogues as bd
 from pipeline.resources import EVAL_DIR, ROOT
+from pipeline.stages.preprocess import build_dialogues as bd
 
 
 def test_join_words_drops_segmentation_spaces_but_keeps_latin_word_breaks():

@@ -17,12 +17,25 @@ LAYERS: list[tuple[str, ...]] = [
     ("pipeline", "pipeline.errors", "pipeline.distributed", "pipeline.progress"),  # no pipeline imports
     ("pipeline.config", "pipeline.io"),  # config system; durable writes
     ("pipeline.shards", "pipeline.vectors", "pipeline.run_layout", "pipeline.resources"),  # formats; data
-    ("pipeline.model", "pipeline.stages"),  # the encoder and its folders; the offline stage runner
+    ("pipeline.model", "pipeline.stages", "pipeline.stages.runner"),  # the encoder; the stage runner
     ("pipeline.losses",),  # loss terms over embeddings
     ("pipeline.data",),  # training batches from shards and pair files
-    ("pipeline.preprocess", "pipeline.augment", "pipeline.evaluate"),  # offline stages; scoring
-    ("pipeline.export", "pipeline.search", "pipeline.similarity", "pipeline.finetune", "pipeline.pretrained"),
-    ("pipeline.teacher",),  # the teacher stage (encodes, mines)
+    ("pipeline.evaluate",),  # scoring
+    # the offline stages that build on the encoder, the data and the scores, and what uses the encoder
+    (
+        "pipeline.stages.preprocess",
+        "pipeline.stages.augment",
+        "pipeline.stages.tokenize",
+        "pipeline.stages.student",
+    ),
+    (
+        "pipeline.export",
+        "pipeline.search",
+        "pipeline.similarity",
+        "pipeline.finetune",
+        "pipeline.stages.fetch",
+    ),
+    ("pipeline.stages.teacher",),  # the teacher stage (encodes, mines)
     ("pipeline.train",),  # the trainer
     ("pipeline.shards_command", "pipeline.cli"),  # commands
     ("pipeline.__main__",),  # `python -m pipeline`
@@ -31,7 +44,9 @@ LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 
 
 def unit_of(module: str) -> str:
-    return ".".join(module.split(".")[:2])
+    """pipeline.X, or pipeline.stages.X for a stage (each stage is a unit of its own)."""
+    parts = module.split(".")
+    return ".".join(parts[:3] if parts[:2] == ["pipeline", "stages"] else parts[:2])
 
 
 def module_name(path: Path) -> str:
@@ -84,6 +99,6 @@ def test_imports_point_down(path):
 
 def test_the_checker_sees_imports_inside_functions_and_relative_ones():
     source = "import os\n\ndef f():\n    from pipeline.train.config import Config\n\nfrom .text import x\n"
-    found = pipeline_imports(source, "pipeline.preprocess.run")
-    assert found == [(4, "pipeline.train.config"), (6, "pipeline.preprocess.text")]
-    assert LAYER[unit_of(found[0][1])] > LAYER["pipeline.preprocess"]  # would be reported
+    found = pipeline_imports(source, "pipeline.stages.preprocess.run")
+    assert found == [(4, "pipeline.train.config"), (6, "pipeline.stages.preprocess.text")]
+    assert LAYER[unit_of(found[0][1])] > LAYER["pipeline.stages.preprocess"]  # would be reported

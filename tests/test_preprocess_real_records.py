@@ -12,8 +12,8 @@ import re
 import pytest
 from _real_records import CLUE_SENTENCES, real_layout
 
-from pipeline.preprocess.run import Config, run
 from pipeline.shards import read_manifest, read_shard
+from pipeline.stages.preprocess.run import Config, run
 
 SENTENCE_REASONS = ("too_short", "too_long", "low_cjk", "title", "truncated", "duplicate", "near_duplicate")
 RECORD_REASONS = ("empty", "invalid_utf8", "bad_json", "missing_field", "too_long_record", "unreadable")

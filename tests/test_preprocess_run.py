@@ -16,10 +16,10 @@ import pytest
 
 from pipeline.cli import build_config, main
 from pipeline.errors import ConfigError, InputError
-from pipeline.preprocess.run import Config, run
-from pipeline.preprocess.text import clean_paragraphs, split_sentences
 from pipeline.resources import SAMPLE_CORPUS
 from pipeline.shards import read_manifest, read_shard, sentence_id, verify_shard
+from pipeline.stages.preprocess.run import Config, run
+from pipeline.stages.preprocess.text import clean_paragraphs, split_sentences
 
 REPO = Path(__file__).resolve().parents[1]
 SENTENCE_REASONS = ("too_short", "too_long", "low_cjk", "title", "truncated", "duplicate", "near_duplicate")

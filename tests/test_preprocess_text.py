@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 
 from pipeline.errors import InputError
-from pipeline.preprocess.passes import partition_of, shuffle_keys, text_ids
-from pipeline.preprocess.readers import Unit, detect_format, iter_lines, line_number_base, plan_units
-from pipeline.preprocess.text import (
+from pipeline.shards import sentence_id
+from pipeline.stages.preprocess.passes import partition_of, shuffle_keys, text_ids
+from pipeline.stages.preprocess.readers import Unit, detect_format, iter_lines, line_number_base, plan_units
+from pipeline.stages.preprocess.text import (
     Cleaner,
     cjk_count,
     clean_paragraphs,
@@ -18,7 +19,6 @@ from pipeline.preprocess.text import (
     split_sentences,
     strip_html,
 )
-from pipeline.shards import sentence_id
 
 
 def test_normalise_full_width_letters_digits_but_not_chinese_punctuation():

@@ -13,7 +13,7 @@ from _tiny_models import xlmr_fast_tokenizer
 from pipeline.cli import main
 from pipeline.errors import ConfigError, InputError
 from pipeline.model import SentenceEncoder
-from pipeline.model.surgery import Config, make_student, resolve_layers, token_strings
+from pipeline.stages.student import Config, make_student, resolve_layers, token_strings
 
 CORPUS = ["我们今天去北京", "天气很好，我们去公园", "北京的天气怎么样？", "hello world 123", "今天的天气"]
 # Seen scripts, characters not in the corpus: their single-character pieces must survive the trim.
@@ -262,8 +262,8 @@ def test_model_layers_cut_at_build_time(wordpiece_model: Path, tmp_path: Path) -
 
 
 def test_corpus_reads_text_and_variants_of_shards(tiny_shards, tmp_path: Path) -> None:
-    from pipeline.model.surgery import corpus_texts
     from pipeline.shards import read_shard, shard_paths
+    from pipeline.stages.student import corpus_texts
 
     directory = tiny_shards([[6, 4], [5]], num_variants=2)
     want = []

@@ -17,10 +17,10 @@ from _train_data import debug_config
 from pipeline.errors import ConfigError, InputError
 from pipeline.resources import sample_sentences
 from pipeline.shards import read_manifest, read_shard
-from pipeline.teacher import run as teacher_run
-from pipeline.teacher.identity import batches_carry_teacher, check_shards
-from pipeline.teacher.negatives import MineParams, Pool, select_negatives
-from pipeline.teacher.run import Config, run
+from pipeline.stages.teacher import run as teacher_run
+from pipeline.stages.teacher.identity import batches_carry_teacher, check_shards
+from pipeline.stages.teacher.negatives import MineParams, Pool, select_negatives
+from pipeline.stages.teacher.run import Config, run
 from pipeline.vectors import teacher_matrix
 
 PREFIX = "问："
@@ -98,7 +98,7 @@ def test_teacher_column_equals_encode_and_keeps_rows_and_blocks(taught, shards, 
 
 
 def test_manifest_records_the_teacher(taught, teacher_dir, shards):
-    from pipeline.teacher.identity import model_hash
+    from pipeline.stages.teacher.identity import model_hash
 
     manifest = read_manifest(taught)
     t = manifest["teacher"]
@@ -144,7 +144,7 @@ def test_two_tasks_and_a_killed_run_give_identical_shards(tmp_path, shards, teac
     with pytest.raises(KeyboardInterrupt):
         teach(shards, tmp_path / "killed", teacher_dir, **fields)
     monkeypatch.setattr(teacher_run, "encode_shard", real_encode)
-    import pipeline.teacher.negatives as negatives
+    import pipeline.stages.teacher.negatives as negatives
 
     real_mine_write = negatives.write_shard
 
@@ -236,7 +236,7 @@ def test_select_negatives_skips_self_duplicates_variants_and_the_similarity_band
         "股票上涨了。",
         "他在读书。",
     ]
-    from pipeline.preprocess.text import normalize_text
+    from pipeline.stages.preprocess.text import normalize_text
 
     pool = Pool(
         ids=np.arange(len(texts), dtype=np.uint64),

@@ -17,7 +17,7 @@ from test_teacher import BLOCKS, MINE, build_teacher, table, teach
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_json
 from pipeline.shards import read_manifest, read_shard
-from pipeline.teacher.identity import check_shards
+from pipeline.stages.teacher.identity import check_shards
 from pipeline.vectors import block_teacher, encode_vectors, teacher_matrix, variant_matrices
 
 DIM = 24

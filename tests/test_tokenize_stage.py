@@ -17,7 +17,6 @@ import torch
 from _train_data import debug_config, full_and_resumed, make_shards, run_and_dump
 
 from pipeline.data.collate import FastEncoder, ViewCollator
-from pipeline.data.pretokenize import WORK_DIR, Config, run
 from pipeline.data.stream import BatchStream, ShardSource, index_shards
 from pipeline.data.token_ids import pad_ids, shards_have_ids, tokenizer_hash
 from pipeline.errors import ConfigError, InputError
@@ -31,6 +30,7 @@ from pipeline.model import (
 )
 from pipeline.resources import sample_sentences
 from pipeline.shards import new_manifest, read_manifest, read_shard, read_shard_set, shard_name, write_shard
+from pipeline.stages.tokenize import WORK_DIR, Config, run
 from pipeline.train.build import build_stream
 
 PREFIX = "问："
@@ -300,7 +300,7 @@ def test_training_on_ids_equals_training_on_text_and_resumes_exactly(tmp_path, s
 
 
 def test_finalize_only_waits_for_every_shard_and_progress_counts_sentences(tmp_path, shards, model, capsys):
-    """The offline stages share one execution config (pipeline.stages.Execution): tokenize too takes
+    """The offline stages share one execution config (pipeline.stages.runner.Execution): tokenize too takes
     --finalize-only (refused while a shard is missing, naming it) and reports progress in sentences."""
     out = tmp_path / "fin"
     tokenize(shards, out, model, task_index=0, num_tasks=3)  # shard 0 only
@@ -318,7 +318,7 @@ def test_every_stage_shares_the_execution_options_and_their_check(stage):
     import importlib
 
     from pipeline.cli import COMMANDS
-    from pipeline.stages import Execution
+    from pipeline.stages.runner import Execution
 
     config = importlib.import_module(COMMANDS[stage].module).Config
     assert issubclass(config, Execution)

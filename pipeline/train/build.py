@@ -33,7 +33,7 @@ from pipeline.model.heads import MLMHead, TrainModule
 from pipeline.model.vocab import read_model_config, write_vocab
 from pipeline.resources import EVAL_DIR
 from pipeline.shards import ShardSet, read_shard, read_shard_set, shard_paths
-from pipeline.teacher.identity import batches_carry_teacher
+from pipeline.stages.teacher.identity import batches_carry_teacher
 from pipeline.train.checkpoint import Checkpointer, check_compatible
 from pipeline.train.config import Config, check_against_data, resolve_path
 from pipeline.train.metrics import MetricsLogger
@@ -218,7 +218,7 @@ def build_encoder(cfg: Config) -> SentenceEncoder:
             m.name_or_path, pooling=m.pooling, max_length=cfg.data.max_length, prefix=m.prefix, **dropout
         )
         if m.layers is not None:
-            from pipeline.model.surgery import keep_layers
+            from pipeline.stages.student import keep_layers
 
             keep_layers(encoder.backbone, m.layers)
         if m.random_init:

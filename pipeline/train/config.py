@@ -409,7 +409,7 @@ class Config:
 def check_against_data(cfg: Config, shard_set: ShardSet | None, world_size: int) -> None:
     """Every check that needs the world size or the shard set (its manifest, read once by
     :func:`pipeline.shards.read_shard_set`; None for a supervised file); raise before any model is built."""
-    from pipeline.teacher.identity import batches_carry_teacher
+    from pipeline.stages.teacher.identity import batches_carry_teacher
     from pipeline.train.queue import validate_queue_size
 
     per_rank, accum = cfg.train.global_batch_size, cfg.train.grad_accum_steps

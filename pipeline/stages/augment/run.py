@@ -19,14 +19,14 @@ from typing import Any, Literal
 
 import pyarrow as pa
 
-from pipeline.augment.eda import OPS, Augmenter, EdaParams, parse_op
-from pipeline.augment.synonyms import load_cilin, load_stopwords, load_vector_cache
 from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_json, sha256_file
 from pipeline.resources import CILIN
 from pipeline.shards import MANIFEST, read_manifest, read_shard, verify_shard, write_manifest, write_shard
-from pipeline.stages import (
+from pipeline.stages.augment.eda import OPS, Augmenter, EdaParams, parse_op
+from pipeline.stages.augment.synonyms import load_cilin, load_stopwords, load_vector_cache
+from pipeline.stages.runner import (
     EXECUTION_FIELDS,
     Execution,
     already_done,

@@ -33,12 +33,12 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from pipeline import progress
 from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError, InputError
-from pipeline.preprocess import passes
-from pipeline.preprocess.neardup import NearDupParams
-from pipeline.preprocess.readers import COLLECTIONS, Unit, expand_inputs, plan_units
 from pipeline.resources import SAMPLE_CORPUS
 from pipeline.shards import MANIFEST, new_manifest, shard_name, write_manifest
-from pipeline.stages import EXECUTION_FIELDS, Execution
+from pipeline.stages.preprocess import passes
+from pipeline.stages.preprocess.neardup import NearDupParams
+from pipeline.stages.preprocess.readers import COLLECTIONS, Unit, expand_inputs, plan_units
+from pipeline.stages.runner import EXECUTION_FIELDS, Execution
 
 log = logging.getLogger(__name__)
 

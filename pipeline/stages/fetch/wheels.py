@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pipeline.errors import InputError
 from pipeline.io import sha256_file
-from pipeline.pretrained.registry import Wheel
+from pipeline.stages.fetch.registry import Wheel
 
 log = logging.getLogger(__name__)
 CACHE_ENV = "SENTENCE_PRETRAIN_CACHE"

@@ -46,7 +46,7 @@ from pipeline.shards import (
     write_manifest,
     write_shard,
 )
-from pipeline.stages import (
+from pipeline.stages.runner import (
     EXECUTION_FIELDS,
     Execution,
     already_done,

@@ -43,9 +43,10 @@ import pyarrow.compute as pc
 
 from pipeline.errors import InputError
 from pipeline.io import atomic_write, atomic_write_json, temporary_name
-from pipeline.preprocess.neardup import NearDupParams, band_hashes, near_duplicates, signatures
-from pipeline.preprocess.readers import SOURCES, Unit, iter_lines, line_number_base
-from pipeline.preprocess.text import (
+from pipeline.shards import BASE_SCHEMA, shard_name, write_shard
+from pipeline.stages.preprocess.neardup import NearDupParams, band_hashes, near_duplicates, signatures
+from pipeline.stages.preprocess.readers import SOURCES, Unit, iter_lines, line_number_base
+from pipeline.stages.preprocess.text import (
     SAMPLES_PER_RULE,
     Cleaner,
     ends_sentence,
@@ -53,7 +54,6 @@ from pipeline.preprocess.text import (
     has_control,
     split_sentences,
 )
-from pipeline.shards import BASE_SCHEMA, shard_name, write_shard
 
 Progress = Callable[[int], None]
 

@@ -30,8 +30,8 @@ import numpy as np
 from pipeline.config import option
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_json, fsync_dir, fsync_tree
-from pipeline.pretrained import convert, e5s1, engine, wheels
-from pipeline.pretrained.registry import REGISTRY, ModelEntry, get_entry
+from pipeline.stages.fetch import convert, e5s1, engine, wheels
+from pipeline.stages.fetch.registry import REGISTRY, ModelEntry, get_entry
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Reads augmented shards and writes shards of the same names, rows and blocks with
 (``fixed_size_list<float16, D>``, L2-normalised, or with ``--dtype int8`` int8 codes and a per-row
 ``teacher_scale``: :mod:`pipeline.vectors`, ``shards/README.md``), optionally ``teacher_variants``
 (``--variants``) and ``hard_negatives``/``hard_negative_ids`` (``--hard_negatives K``, mined over the
-whole shard set: :mod:`pipeline.teacher.negatives`). Work is split like ``augment``: units are shards,
+whole shard set: :mod:`pipeline.stages.teacher.negatives`). Work is split like ``augment``: units are shards,
 local workers (``--workers``) and SLURM array tasks (``--task-index/--num-tasks``: task t takes the
 shards i with ``i % num_tasks == t``), a finished shard is skipped on a rerun. A shard's embeddings are
 a function of its own rows (sorted by length within the shard, batched), so the output does not depend
@@ -47,8 +47,8 @@ from pipeline.shards import (
     write_manifest,
     write_shard,
 )
-from pipeline.stages import EXECUTION_FIELDS as STAGE_EXECUTION_FIELDS
-from pipeline.stages import (
+from pipeline.stages.runner import EXECUTION_FIELDS as STAGE_EXECUTION_FIELDS
+from pipeline.stages.runner import (
     Execution,
     already_done,
     claim_out_dir,
@@ -60,7 +60,7 @@ from pipeline.stages import (
     remove_stale_temps,
     shard_index,
 )
-from pipeline.teacher.identity import matches, model_hash, stored_dtype
+from pipeline.stages.teacher.identity import matches, model_hash, stored_dtype
 from pipeline.vectors import DTYPES, block_teacher, encode_vectors, teacher_matrix, variant_columns
 
 log = logging.getLogger(__name__)
@@ -366,7 +366,7 @@ def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, An
             extra["hard_negatives"] = in_manifest["hard_negatives"]
             counts["hard_negatives"] = in_manifest["counts"]["hard_negatives"]
     elif cfg.hard_negatives:
-        from pipeline.teacher.negatives import MineParams, mine_shards
+        from pipeline.stages.teacher.negatives import MineParams, mine_shards
 
         params = MineParams(
             cfg.hard_negatives, cfg.hn_depth, cfg.hn_max_similarity, cfg.hn_min_similarity, cfg.hn_index

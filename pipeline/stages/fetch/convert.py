@@ -26,8 +26,8 @@ import numpy as np
 
 from pipeline.errors import InputError
 from pipeline.model.st_folder import write_module_files
-from pipeline.pretrained.e5s1 import DTYPE_Q4, E5S1File
-from pipeline.pretrained.registry import ModelEntry
+from pipeline.stages.fetch.e5s1 import DTYPE_Q4, E5S1File
+from pipeline.stages.fetch.registry import ModelEntry
 
 log = logging.getLogger(__name__)
 

