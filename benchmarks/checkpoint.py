@@ -55,6 +55,8 @@ def bench_save_load(config_path: Path, repeats: int, workdir: Path) -> None:
     from pipeline.train.rng import RNGState
 
     cfg = load_config(Config, config_path, {"data.shards": str(workdir)})
+    luse = cfg.terms().config("luse")
+    queue_size = luse.queue_size if luse is not None else 0
     model_config = read_model_config(resolve_path(cfg.model.scratch_config))
     texts = SAMPLE_CORPUS.read_text(encoding="utf-8").splitlines()
     write_vocab(
@@ -70,7 +72,7 @@ def bench_save_load(config_path: Path, repeats: int, workdir: Path) -> None:
         def __init__(self) -> None:
             super().__init__()
             self.momentum = copy.deepcopy(encoder.backbone)
-            self.register_buffer("queue", torch.randn(max(cfg.objective.queue_size, 1), encoder.dim))
+            self.register_buffer("queue", torch.randn(max(queue_size, 1), encoder.dim))
 
     states = {"optimizer": optimizer, "held": Held()}
     params = sum(p.numel() for p in encoder.parameters())
@@ -90,7 +92,7 @@ def bench_save_load(config_path: Path, repeats: int, workdir: Path) -> None:
     files = json.loads((path / "checkpoint.json").read_text())["files"]
     print(
         f"model: {config_path.name} ({cfg.model.scratch_config.name}), {params / 1e6:.2f} M parameters, "
-        f"queue {cfg.objective.queue_size}"
+        f"queue {queue_size}"
     )
     state_mib = (path / "state.pt").stat().st_size / 2**20
     print(

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.data.collate import ViewCollator
-from pipeline.data.stream import BatchStream, ShardSource, cached_variants, index_shards
+from pipeline.data.stream import BatchStream, ShardSource, index_shards
+from pipeline.shards import read_shard_set
 
 
 class TokenCounts:
@@ -62,7 +63,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     spec = args.model / "encoder.json"
     prefix = json.loads(spec.read_text()).get("prefix", "") if spec.exists() else ""
-    k = args.views if args.views is not None else min(4, cached_variants(args.shards))
+    k = args.views if args.views is not None else min(4, read_shard_set(args.shards).num_variants or 0)
     blocks = index_shards(args.shards)
     collate = TokenCounts(ViewCollator(tokenizer, args.max_length, k, args.dropout_views, prefix))
     print(

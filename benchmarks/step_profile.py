@@ -46,9 +46,10 @@ def timed_step(t: Trainer, batch: dict[str, Any], times: dict[str, list[float]])
     t.schedule.apply(t.state.step)
     inputs = {k: batch[k].to(acc.device) for k in ("input_ids", "attention_mask")}
     with acc.accumulate(t.model):
-        rows = t.model(**inputs)  # bf16: the forward autocasts itself (build.autocast_bf16_on_cpu)
+        encoded = loop.forward(t, inputs, batch)  # bf16: autocasts itself (build.autocast_bf16_on_cpu)
         lap("forward")
-        part = loop.compute_objective(t, rows, batch)
+        part = loop.compute_objective(t, encoded, batch)
+        rows = encoded[0] if isinstance(encoded, tuple) else encoded
         lap("loss")
         acc.backward(part["loss"])
         lap("backward")
@@ -61,7 +62,7 @@ def timed_step(t: Trainer, batch: dict[str, Any], times: dict[str, list[float]])
     loop.enqueue_keys(t, rows, inputs, batch)
     lap("queue keys")
     if t.momentum_encoder is not None:
-        t.momentum_encoder.update(t.module.encoder, cfg.objective.momentum)
+        t.momentum_encoder.update(t.module.encoder, t.loss.config("luse").momentum)
     lap("momentum update")
     t.state.step += 1
 
