@@ -10,12 +10,18 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.cli import build_config, setup_logging
+from pipeline.config import help_lines
 from pipeline.errors import PipelineError
 from pipeline.train.config import Config
 from pipeline.train.run import run
 
 
 def main(argv: list[str], on_batch: Callable[[Any, dict[str, Any]], None] | None = None) -> int:
+    if "-h" in argv or "--help" in argv:
+        print("usage: accelerate launch launch/pretrain.py --config CONFIG.yaml [--key=value ...]\n")
+        print("options (the same as `python -m pipeline train`):")
+        print("\n".join(help_lines(Config)))
+        return 0
     setup_logging()
     try:
         return run(build_config(Config, argv), on_batch)

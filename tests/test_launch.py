@@ -175,3 +175,13 @@ def test_two_process_deepspeed_zero2_run(tmp_path, shards):
     assert dumps[0]["param_checksum"] == dumps[1]["param_checksum"]
     assert dumps[0]["queue_checksum"] == dumps[1]["queue_checksum"]
     assert len(losses) == 6 and all(x == x for x in losses)
+
+
+def test_pretrain_py_help_lists_the_training_options():
+    proc = subprocess.run(
+        [sys.executable, str(PROJECT_ROOT / "launch" / "pretrain.py"), "--help"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage: accelerate launch launch/pretrain.py" in proc.stdout and "--loss" in proc.stdout
