@@ -159,3 +159,25 @@ def test_resume_through_a_skipped_step_is_exact(tmp_path, shards):
         assert resumed[key] == full[key], key
     state = torch.load(Checkpointer(tmp_path / "split").latest() / "state.pt", weights_only=True)
     assert state["train_state"]["nonfinite_skipped"] == 1
+
+
+def test_under_deepspeed_a_nan_batch_is_skipped_and_counted(tmp_path, shards, monkeypatch):
+    """DeepSpeed steps inside backward: the guard judges the loss first, so the NaN batch never reaches
+    the engine; the run goes on, counts the skip, and ends with finite weights (one process, gloo)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    poisoned = Poison([(0, 3)])
+    overrides = {"train.deepspeed_config": "launch/deepspeed/zero2.json", "train.max_steps": 6}
+    code, dump = train(cfg_for(tmp_path, shards, "ds", **overrides), poisoned)
+    assert code == 0 and dump["step"] == 6
+    skips, steps = events(tmp_path / "ds", "nonfinite_skip")
+    assert [(s["epoch"], s["batch"]) for s in skips] == [(0, 3)]
+    assert [s["step"] for s in steps] == list(range(1, 7)) and all(math.isfinite(s["loss"]) for s in steps)
+    assert all(torch.isfinite(w).all() for w in final_parameters(tmp_path / "ds").values())

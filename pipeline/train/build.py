@@ -154,6 +154,9 @@ def build_accelerator(cfg: Config) -> Any:
             cfg.train.global_batch_size // world // cfg.train.grad_accum_steps
         )
         ds["train_batch_size"] = cfg.train.global_batch_size
+        if isinstance(ds.get("bf16"), dict) and cfg.guard.max_nonfinite_steps:
+            # The engine skips a bf16 step with non-finite gradients; the guard reads its verdict.
+            ds["bf16"].setdefault("check_grad_overflow", True)
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
     return Accelerator(
         cpu=cpu,

@@ -26,7 +26,7 @@ from pipeline.evaluate.sts import score_pairs
 from pipeline.losses import StepOutput
 from pipeline.train.build import Trainer
 from pipeline.train.gradcache import chunked_forward_backward
-from pipeline.train.guard import NonFiniteError, SpikeDetector, grad_norm, step_verdict
+from pipeline.train.guard import NonFiniteError, SpikeDetector, StepCheck, grad_norm, step_verdict
 from pipeline.train.metrics import Throughput, alignment_uniformity
 from pipeline.train.signals import EXIT_CODE_PREEMPTED, CheckpointPolicy
 
@@ -122,14 +122,33 @@ def guarded(t: Trainer) -> bool:
     """Whether the non-finite guard decides each step (pipeline/train/guard.py).
 
     Not under fp16, whose GradScaler skips non-finite steps itself (and must see them to lower its
-    scale), nor under DeepSpeed, whose engine steps inside ``backward`` before a verdict could stop it.
+    scale). Under DeepSpeed, whose engine steps inside ``backward``, the guard judges the loss before
+    that backward and reads the engine's own verdict on the gradients after it (see
+    :func:`deepspeed_step`); it needs one micro-batch per step without GradCache there.
     """
     cfg = t.cfg
-    return (
-        bool(cfg.guard.max_nonfinite_steps)
-        and cfg.train.mixed_precision != "fp16"
-        and (not cfg.train.deepspeed_config)
+    if not cfg.guard.max_nonfinite_steps or cfg.train.mixed_precision == "fp16":
+        return False
+    return not cfg.train.deepspeed_config or (
+        cfg.train.grad_accum_steps == 1 and not cfg.train.gradcache_chunk_size
     )
+
+
+def deepspeed_step(t: Trainer, loss: torch.Tensor) -> StepCheck:
+    """Backward and step of the DeepSpeed engine under the guard; the verdict on the step.
+
+    The loss is judged on every rank first (a non-finite one anywhere: no backward, no engine step, so
+    nothing moves). After the backward, the engine says whether it applied its step: DeepSpeed skips a
+    step whose gradients overflow under bf16 (``bf16.check_grad_overflow``, on by default since
+    0.16; the DeepSpeed configs here set it) and fp16. Under fp32 ZeRO nothing checks the gradients of
+    a finite loss (DeepSpeed has no overflow check there): such a step is applied, and the checkpoint
+    check (:func:`~pipeline.train.guard.first_nonfinite`) still refuses to save its result.
+    """
+    check = step_verdict(loss.detach(), None)  # host sync: the loss of every rank
+    if not check.finite:
+        return check
+    t.accelerator.backward(loss)  # the engine's backward and step
+    return StepCheck(bool(t.model.was_step_applied()), check.loss)
 
 
 def queue_snapshot(t: Trainer) -> list[tuple[Any, dict[str, torch.Tensor]]]:
@@ -148,6 +167,7 @@ def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, Any]:
     acc, cfg = t.accelerator, t.cfg
     t.schedule.apply(t.state.step)  # before backward: DeepSpeed steps inside accelerator.backward
     guard = guarded(t)
+    deepspeed = acc.distributed_type.value == "DEEPSPEED"
     mbs = micro_batches(batch, cfg.train.grad_accum_steps)
     # With several micro-batches each enqueues its keys before the step's verdict is known: keep a copy.
     snapshot = queue_snapshot(t) if guard and len(mbs) > 1 else None
@@ -164,13 +184,16 @@ def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, Any]:
             else:
                 encoded = forward(t, inputs, mb)
                 part = compute_objective(t, encoded, mb)
-                acc.backward(part["loss"])
+                if guard and deepspeed:
+                    check = deepspeed_step(t, part["loss"])
+                else:
+                    acc.backward(part["loss"])
                 rows = encoded[0] if isinstance(encoded, tuple) else encoded  # (N, H): n views, m negatives
             parts.append({k: v.detach() for k, v in part.items()})
             norm = None
-            if acc.sync_gradients and cfg.optim.grad_clip and acc.distributed_type.value != "DEEPSPEED":
+            if acc.sync_gradients and cfg.optim.grad_clip and not deepspeed:
                 norm = acc.clip_grad_norm_(t.model.parameters(), cfg.optim.grad_clip)
-            if guard and acc.sync_gradients:
+            if guard and acc.sync_gradients and not deepspeed:
                 norm = grad_norm(t.model.parameters()) if norm is None else norm
                 check = step_verdict(torch.stack([p["loss"] for p in parts]).mean(), norm)  # host sync
             if check is None or check.finite:
