@@ -39,6 +39,7 @@ class Config:
     )
     out: Path | None = option(None, "Index directory to write.")
     batch_size: int = option(128, "Sentences per forward pass.")
+    progress: bool = option(True, "Show progress: a bar on a terminal, a line every 30 s in a log.")
     chunk_size: int = option(
         4096, "Sentences per restart unit; each chunk's embeddings are saved as one file."
     )
@@ -110,7 +111,9 @@ def load_encoder(
     return encoder, resolved
 
 
-def encode_chunks(encoder: Any, corpus: Corpus, store: ChunkStore, batch_size: int) -> None:
+def encode_chunks(
+    encoder: Any, corpus: Corpus, store: ChunkStore, batch_size: int, show_progress: bool = True
+) -> None:
     from pipeline import progress
 
     missing = store.missing()
@@ -119,7 +122,7 @@ def encode_chunks(encoder: Any, corpus: Corpus, store: ChunkStore, batch_size: i
             "resuming: %d of %d chunks already encoded", store.num_chunks - len(missing), store.num_chunks
         )
     todo = sum(store.bounds(i)[1] - store.bounds(i)[0] for i in missing)
-    with progress.bar(total=todo, desc="encode", unit="sent") as bar:
+    with progress.bar(total=todo, desc="encode", unit="sent", disable=not show_progress) as bar:
         for i in missing:
             start, end = store.bounds(i)
             store.write(i, encoder.encode(corpus.texts[start:end], batch_size=batch_size))
@@ -181,7 +184,7 @@ def run(cfg: Config) -> int:
     state = {"texts_sha256": corpus.fingerprint(), "rows": n, "chunk_size": cfg.chunk_size,
              "batch_size": cfg.batch_size, "model": model_info}  # fmt: skip
     store = ChunkStore(out / layout.WORK_DIR, n, cfg.chunk_size, state)
-    encode_chunks(encoder, corpus, store, cfg.batch_size)
+    encode_chunks(encoder, corpus, store, cfg.batch_size, cfg.progress)
 
     sample = np.sort(np.random.default_rng(cfg.seed).choice(n, size=min(n, cfg.fit_sample), replace=False))
     reduction: Reduction | None = None

@@ -50,6 +50,7 @@ class Config:
     seed: int = option(0, "Seed of the sampling within the rank range.")
     model: str | None = option(None, "Encode with this model instead of the index's.")
     batch_size: int = option(128, "Sentences per forward pass.")
+    progress: bool = option(True, "Show progress: a bar on a terminal, a line every 30 s in a log.")
     search_batch: int = option(1024, "Pairs searched per faiss call.")
     device: str = option("auto", "Torch device for encoding.")
     nprobe: int | None = option(None, "IVF: lists visited per query (default: stored value).")
@@ -99,12 +100,14 @@ def mine_negatives(
     counts: Counter,
     batch_size: int = 128,
     search_batch: int = 1024,
+    show_progress: bool = True,
 ) -> list[tuple[str, str, str]]:
     """Triples (anchor, positive, negative), ``num_negatives`` per pair where enough candidates remain."""
     from pipeline import progress
 
     triples: list[tuple[str, str, str]] = []
-    for start in progress.bar(iterable=range(0, len(pairs), search_batch), desc="mine", unit="batch"):
+    batches = range(0, len(pairs), search_batch)
+    for start in progress.bar(iterable=batches, desc="mine", unit="batch", disable=not show_progress):
         batch = pairs[start : start + search_batch]
         anchors = index.embed([a for a, _ in batch], batch_size)  # (B, d)
         positives = index.embed([p for _, p in batch], batch_size)  # (B, d)
@@ -186,7 +189,7 @@ def run(cfg: Config) -> int:
         raise ConfigError(f"--rank-end {cfg.rank_end} exceeds the {len(index)} sentences in {cfg.index_dir}")
     triples = mine_negatives(
         index, pairs, cfg.rank_start, cfg.rank_end, cfg.num_negatives, cfg.max_similarity, cfg.seed, counts,
-        cfg.batch_size, cfg.search_batch,
+        cfg.batch_size, cfg.search_batch, cfg.progress,
     )  # fmt: skip
     for path in cfg.out:
         write_triples(path, triples, counts)

@@ -117,6 +117,7 @@ HARMLESS_KEYS: tuple[str, ...] = (
     "train.eval_max_pairs",
     "train.final_model",
     "train.debug_dump",
+    "train.progress",
     "train.max_steps",
     "train.epochs",
     "train.cpu",

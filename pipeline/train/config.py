@@ -281,6 +281,9 @@ class TrainConfig:
         None, "DeepSpeed JSON (launch/deepspeed/zero2.json) to train with ZeRO."
     )
     log_every: int = option(10, "Log loss, lr, throughput and batch statistics every this many steps.")
+    progress: bool = option(
+        True, "Show a progress bar of the steps (rank 0): a bar on a terminal, a line every 30 s in a log."
+    )
     eval_every: int = option(500, "Evaluate on STS-B valid every this many steps (0 = only at the end).")
     eval_max_pairs: int = option(0, "Evaluate on the first this many STS-B valid pairs (0 = all).")
     final_model: Literal["last", "best"] = option(

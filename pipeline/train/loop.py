@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from pipeline import distributed as dist
+from pipeline import progress
 from pipeline.config import to_dict
 from pipeline.evaluate.sts import score_pairs
 from pipeline.losses import StepOutput
@@ -33,7 +33,8 @@ from pipeline.train.signals import EXIT_CODE_PREEMPTED, CheckpointPolicy
 log = logging.getLogger(__name__)
 
 
-PER_SENTENCE = ("labels", "teacher", "mlm_input_ids", "mlm_labels")  # one row (or label) per sentence
+# one row (or label) per sentence
+PER_SENTENCE = ("ids", "text_hashes", "labels", "teacher", "mlm_input_ids", "mlm_labels")
 
 
 def rows_per_sentence(batch: dict[str, Any]) -> int:
@@ -55,6 +56,7 @@ def compute_objective(
     b = rows.shape[0] // (n + m)
     device = rows.device
     labels, teacher, mlm_labels = batch.get("labels"), batch.get("teacher"), batch.get("mlm_labels")
+    ids, text_hashes = batch.get("ids"), batch.get("text_hashes")  # (B,) int64: false-negative control
     out = StepOutput(
         views=rows[: n * b].view(n, b, rows.shape[-1]),  # (n, B, H)
         hard_negatives=rows[n * b :].view(m, b, rows.shape[-1]) if m else None,  # (m, B, H)
@@ -65,6 +67,10 @@ def compute_objective(
         mlm_logits=mlm_logits,
         mlm_labels=None if mlm_logits is None else mlm_labels.to(device, non_blocking=True),  # (B, L)
         head=t.module.head,
+        ids=None if ids is None else ids.to(device, non_blocking=True),
+        text_hashes=None if text_hashes is None else text_hashes.to(device, non_blocking=True),
+        queue_ids=t.queue.negative_ids() if t.queue is not None else None,  # (filled,)
+        queue_text_hashes=t.queue.negative_text_hashes() if t.queue is not None else None,  # (filled,)
     )
     return t.loss(out)
 
@@ -102,8 +108,8 @@ def micro_batches(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
 
 
 def enqueue_keys(t: Trainer, rows: torch.Tensor, inputs: dict[str, torch.Tensor], mb: dict[str, Any]) -> None:
-    """Keys of this micro-batch's originals into the queue, and their teacher embeddings into the teacher
-    queue alongside (gathered from all ranks: collectives)."""
+    """Keys of this micro-batch's originals into the queue with their sentence ids and text hashes, and
+    their teacher embeddings into the teacher queue alongside (gathered from all ranks: collectives)."""
     if t.queue is None:
         return
     b = rows.shape[0] // rows_per_sentence(mb)
@@ -113,7 +119,8 @@ def enqueue_keys(t: Trainer, rows: torch.Tensor, inputs: dict[str, torch.Tensor]
         )
     else:
         keys = rows[:b].detach()  # momentum 0: a memory bank of the online view-0 embeddings
-    t.queue.enqueue_gathered(keys)  # (B, H) per rank -> (W * B, H) on every rank
+    # (B, H) per rank -> (W * B, H) on every rank, with each key's sentence id and text hash (B,)
+    t.queue.enqueue_gathered(keys, mb.get("ids"), mb.get("text_hashes"))
     if t.teacher_queue is not None:
         t.teacher_queue.enqueue_gathered(mb["teacher"].to(keys.device))  # (B, D_t) -> (W * B, D_t)
 
@@ -276,7 +283,8 @@ def train(t: Trainer, on_batch: Callable[[Trainer, dict[str, Any]], None] | None
     """
     cfg, acc = t.cfg, t.accelerator
     t.model.train()
-    bar = tqdm(total=t.total_steps, initial=t.state.step, desc="train", disable=not acc.is_main_process)
+    show = acc.is_main_process and cfg.train.progress
+    bar = progress.bar(total=t.total_steps, initial=t.state.step, desc="train", disable=not show)
     throughput = Throughput()
     c = cfg.checkpoint
     # The stop flag and the time rule are read at log steps only, where logging syncs with the host
