@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from pipeline import distributed
 from pipeline.losses import cosent, distill, multi_positive, pairwise_bce, simcse, sup_simcse
+from pipeline.losses.false_negatives import Guide
 from pipeline.train.queue import NegativeQueue
 
 pytestmark = pytest.mark.slow
@@ -48,13 +49,27 @@ def global_inputs() -> dict[str, torch.Tensor]:
         "teacher_same": unit(WORLD * B, H),  # an equal-width teacher for the teacher positive
         "teacher_queue": unit(5, 5),
         "hard": unit(2, WORLD * B, H),  # m = 2 hard negatives per sentence
+        # sentence ids: 1 and 2 on both ranks (false negatives across ranks); 3, 9 and 1 also queued
+        "ids": torch.tensor([1, 2, 3, 2, 9, 1]),
+        "queue_ids": torch.tensor([3, 5, 9, 7, 1]),
     }
+
+
+def guide(x: dict[str, torch.Tensor], margin: float | None = None) -> Guide:
+    """Mask by sentence id (and with a margin by the teacher_same vectors) for the false-negative cases."""
+    teacher = x["teacher_same"] if margin is not None else None
+    return Guide(x["ids"][:, None], x["queue_ids"][:, None], teacher=teacher, teacher_margin=margin)
 
 
 def queue_keys(step: int, rank: int) -> torch.Tensor:
     """Distinct keys per (step, rank): row values encode where they came from."""
     base = 100 * step + 10 * rank
     return torch.arange(base, base + 2 * H, dtype=torch.float32).reshape(2, H)
+
+
+def queue_ids(step: int, rank: int) -> torch.Tensor:
+    """The sentence ids of queue_keys(step, rank)."""
+    return torch.tensor([100 * step + 10 * rank, 100 * step + 10 * rank + 1])
 
 
 def tiny_encoder() -> torch.nn.Module:
@@ -95,6 +110,16 @@ CASES = {
         ),
         ["views", "hard"],
     ),
+    "luse_false_negatives": (
+        lambda x, gather: multi_positive.compute_loss(
+            x["views"], TAU, queue=x["queue"], gather=gather, teacher=x["teacher_same"], guide=guide(x, 1.0)
+        ),
+        ["views"],
+    ),
+    "luse_bce_false_negatives": (
+        lambda x, gather: pairwise_bce.compute_loss(x["views"], gather=gather, guide=guide(x, 1.0)),
+        ["views"],
+    ),
 }
 
 
@@ -102,7 +127,7 @@ def local_slice(name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
     """Rank ``rank``'s rows of a per-sample input (dim 1 for view stacks, dim 0 otherwise)."""
     if name in ("views", "features", "hard"):
         return tensor[:, rank * B : (rank + 1) * B]
-    if name in ("queue", "teacher_queue"):
+    if name in ("queue", "teacher_queue", "queue_ids"):
         return tensor  # identical on every rank
     return tensor[rank * B : (rank + 1) * B]
 
@@ -156,7 +181,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
         # the queue: identical on every rank after gathered enqueues, wrapping around
         queue = NegativeQueue(size=6, dim=H)
         for step in range(4):
-            queue.enqueue_gathered(queue_keys(step, rank))
+            queue.enqueue_gathered(queue_keys(step, rank), queue_ids(step, rank), -queue_ids(step, rank))
         out["queue"] = queue.state_dict()
         torch.save(out, f"{out_dir}/rank{rank}.pt")
         # Leave together: a rank tearing down gloo while its peer still talks to it can abort the peer.
@@ -218,11 +243,13 @@ def test_ddp_gradients_equal_single_process(ranks):
 
 
 def test_queue_identical_across_ranks_and_equal_to_single_process(ranks):
-    for key in ("keys", "ptr", "filled"):
+    for key in ("keys", "ids", "text_hashes", "ptr", "filled"):
         torch.testing.assert_close(ranks[0]["queue"][key], ranks[1]["queue"][key])
     single = NegativeQueue(size=6, dim=H)
     for step in range(4):
-        single.enqueue(torch.cat([queue_keys(step, r) for r in range(WORLD)]))
+        ids = torch.cat([queue_ids(step, r) for r in range(WORLD)])
+        single.enqueue(torch.cat([queue_keys(step, r) for r in range(WORLD)]), ids, -ids)
     for key, value in single.state_dict().items():
         torch.testing.assert_close(ranks[0]["queue"][key], value)
     assert int(ranks[0]["queue"]["filled"]) == 6 and int(ranks[0]["queue"]["ptr"]) == (4 * 4) % 6
+    assert sorted(ranks[0]["queue"]["ids"].tolist()) == [210, 211, 300, 301, 310, 311]

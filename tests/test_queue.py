@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pipeline.errors import ConfigError
-from pipeline.train.queue import MomentumEncoder, NegativeQueue, needs_forward, validate_queue_size
+from pipeline.train.queue import UNKNOWN, MomentumEncoder, NegativeQueue, needs_forward, validate_queue_size
 
 
 def rows(start: int, count: int, dim: int = 3) -> torch.Tensor:
@@ -86,7 +86,7 @@ def test_queue_state_inside_a_parent_module_and_size_mismatch():
     parent.queue = NegativeQueue(4, 3)
     parent.queue.enqueue(rows(0, 3))
     state = parent.state_dict()
-    assert set(state) == {"queue.keys", "queue.ptr", "queue.filled"}
+    assert set(state) == {"queue.keys", "queue.ids", "queue.text_hashes", "queue.ptr", "queue.filled"}
     other = nn.Module()
     other.queue = NegativeQueue(4, 3)
     other.load_state_dict(state)
@@ -229,3 +229,34 @@ def test_momentum_encoder_wraps_a_sentence_encoder(tmp_path):
     assert keys.shape == (3, 16) and not keys.requires_grad
     torch.testing.assert_close(keys.norm(dim=-1), torch.ones(3))
     torch.testing.assert_close(keys, online.eval()(**batch))
+
+
+def test_queue_keeps_ids_and_text_hashes_row_for_row_and_resumes_them_exactly(tmp_path):
+    queue = NegativeQueue(4, 3)
+    queue.enqueue(rows(0, 3), torch.tensor([10, 11, 12]), torch.tensor([-5, -6, -7]))
+    queue.enqueue(rows(3, 3), torch.tensor([13, 14, 2**63 - 1]))  # no hashes given: unknown
+    # the oldest two rows were overwritten: keys 2..5 with their ids, in the keys' order
+    order = queue.negatives()[:, 0].long()
+    assert dict(zip(order.tolist(), queue.negative_ids().tolist())) == {2: 12, 3: 13, 4: 14, 5: 2**63 - 1}
+    hashes = dict(zip(order.tolist(), queue.negative_text_hashes().tolist()))
+    assert hashes == {2: -7, 3: UNKNOWN, 4: UNKNOWN, 5: UNKNOWN}
+    torch.save(queue.state_dict(), tmp_path / "q.pt")
+    restored = NegativeQueue(4, 3)
+    restored.load_state_dict(torch.load(tmp_path / "q.pt", weights_only=True))
+    for a, b in zip(queue.state_dict().values(), restored.state_dict().values()):
+        assert torch.equal(a, b)
+    for q in (queue, restored):  # the pointer and the ids continue alike
+        q.enqueue(rows(6, 1), torch.tensor([16]), torch.tensor([60]))
+    assert torch.equal(queue.ids, restored.ids) and torch.equal(queue.text_hashes, restored.text_hashes)
+    with pytest.raises(ValueError, match=r"\(2,\)"):
+        queue.enqueue(rows(0, 2), torch.tensor([1, 2, 3]))
+
+
+def test_queue_from_a_checkpoint_without_ids_marks_its_rows_unknown():
+    queue = NegativeQueue(4, 3)
+    queue.enqueue(rows(0, 2), torch.tensor([1, 2]))
+    old = {k: v for k, v in queue.state_dict().items() if k in ("keys", "ptr", "filled")}
+    restored = NegativeQueue(4, 3)
+    restored.load_state_dict(old)
+    assert restored.negative_ids().tolist() == [UNKNOWN, UNKNOWN] and restored.fill == 2
+    torch.testing.assert_close(restored.negatives(), queue.negatives())

@@ -5,6 +5,7 @@ Every collator runs in the loader workers, so it holds only picklable state.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,6 +14,24 @@ import torch
 
 from pipeline.data.token_ids import TEXT_COLUMNS, TOKEN_ID_COLUMNS, pad_ids
 from pipeline.losses.mlm import MASK_PROB, batch_generator, mask_tokens
+from pipeline.stages.preprocess.text import normalize_text
+
+
+def text_hashes(texts: Sequence[Any]) -> torch.Tensor:
+    """(B,) int64: the first 8 bytes of blake2b of each normalised text, little-endian, as a signed int.
+
+    Equal for texts equal after :func:`~pipeline.stages.preprocess.text.normalize_text` (NFKC, case-folded,
+    without whitespace and punctuation): the key of the ``same_text`` false-negative rule. Pre-tokenised
+    rows carry token ids instead of text: their hash is of the ids (int64 bytes), so it matches texts that
+    tokenise alike (the tokenizer's own normalisation) rather than after normalize_text.
+    """
+    out = np.empty(len(texts), dtype=np.int64)
+    for i, text in enumerate(texts):
+        data = (
+            normalize_text(text).encode() if isinstance(text, str) else np.asarray(text, np.int64).tobytes()
+        )
+        out[i] = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+    return torch.from_numpy(out)
 
 
 class FastEncoder:
@@ -54,6 +73,9 @@ class ViewCollator:
     j of sentence i (a sentence with fewer than m cached takes the next sentence's original in the
     missing slots: an in-batch negative anyway), and ``batch["num_hard_negatives"] = m``. With
     ``teacher`` the batch carries ``batch["teacher"]``, the cached teacher vectors (B, D) float32.
+
+    ``batch["ids"]`` holds the sentences' 64-bit ids and ``batch["text_hashes"]`` the hashes of their
+    normalised texts (:func:`text_hashes`), both (B,) int64: what the false-negative rules compare.
 
     With ``pretokenized`` the rows carry the shards' token ids (``pipeline tokenize``, hash checked by
     :func:`pipeline.data.token_ids.shards_have_ids`) and are padded instead of tokenised: the same
@@ -101,6 +123,7 @@ class ViewCollator:
             mask = torch.cat([mask[:cut], mask[:b].repeat(self.d, 1), mask[cut:]])
         out = {
             "ids": torch.tensor(np.asarray(rows["id"], dtype=np.uint64).view(np.int64)),
+            "text_hashes": text_hashes(texts),  # (B,) int64, computed here in the loader workers
             "input_ids": ids,  # ((n + m) * B, L)
             "attention_mask": mask,  # ((n + m) * B, L)
             "num_views": 1 + self.k + self.d,

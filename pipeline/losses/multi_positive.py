@@ -20,6 +20,11 @@ Distillation and mining extras (docs/objectives.md): with ``teacher`` each ancho
 teacher embedding as one more positive (target 1/n on each of the n positives) and the global batch's
 teacher vectors join the candidates; ``hard_negatives`` (m, B, H) join every anchor's candidates.
 
+False negatives (:mod:`pipeline.losses.false_negatives`): with a ``guide`` a candidate that shares the
+anchor's sentence id (a stale queued key of its own sentence, or its sentence again elsewhere in the global
+batch), optionally its normalised-text hash, or that the teacher scores as close as a positive, leaves the
+softmax (logit -inf); the anchor's own positives never do. Hard negatives carry no ids and are not masked.
+
 Temperature ``tau`` divides the cosine similarities before the softmax. Small tau (0.05, as in
 SimCSE) sharpens the distribution so that the hardest negatives dominate the gradient; large tau
 spreads it over all negatives. The logits range over [-1/tau, 1/tau].
@@ -43,6 +48,7 @@ from pipeline.config import option
 from pipeline.distributed import all_gather_no_grad, all_gather_with_grad, rank
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
+from pipeline.losses.false_negatives import FalseNegativeConfig, Guide, make_guide, sentence_mask
 from pipeline.losses.terms import HARD_NEGATIVES, QUEUE, TEACHER, VIEWS, StepOutput, Term
 
 
@@ -54,6 +60,8 @@ def compute_loss(
     teacher: torch.Tensor | None = None,
     hard_negatives: torch.Tensor | None = None,
     project: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    guide: Guide | None = None,
+    counts: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Multi-positive listwise loss over (n_views, B, H) L2-normalised embeddings.
 
@@ -67,6 +75,9 @@ def compute_loss(
         hard_negatives: (m, B_local, H) mined negatives (with gradient); the global batch's join every
             anchor's candidates, never as positives.
         project: maps anchors (., H) to the teacher's width when D_t != H (the distillation head).
+        guide: ids / text hashes / teacher vectors of the sentences and the queue: candidates that match
+            the anchor's are masked (false negatives); gathered across ranks (collectives).
+        counts: filled with ``false_negatives``, the number of (anchor, candidate) pairs masked (float).
 
     Returns:
         A scalar, the mean over the n_views * B_local local anchors.
@@ -89,6 +100,23 @@ def compute_loss(
     local = torch.arange(n_views * batch, device=device)  # (n * B,)
     is_self = torch.zeros_like(logits, dtype=torch.bool)  # (n * B, W * n * B)
     is_self[local, offset + local] = True
+    sentence = local % batch  # (n * B,) the anchor's sentence
+    masked = []  # the false-negative masks, one per block of candidates
+    if guide is not None:
+        # Per candidate view, its sentence's tags and teacher vector (no gradient; collectives).
+        world = candidates.shape[0] // (n_views * batch)
+        tags_all = _gathered(guide.tags, gather)  # (W * B, T)
+        teacher_all = _gathered(guide.teacher, gather)  # (W * B, D_t)
+        fn = sentence_mask(
+            guide, sentence, _per_view(tags_all, world, n_views), _per_view(teacher_all, world, n_views)
+        )
+        if fn is not None:
+            column = torch.arange(candidates.shape[0], device=device)  # (W * n * B,)
+            own_rank = (column >= offset) & (column < offset + n_views * batch)  # (W * n * B,)
+            positive_or_self = own_rank[None, :] & (sentence[:, None] == (column % batch)[None, :])
+            fn = fn & ~positive_or_self  # (n * B, W * n * B)
+            masked.append(fn)
+            is_self = is_self | fn  # an all-False fn leaves the logits bit for bit as they were
     columns = [logits.masked_fill(is_self, float("-inf"))]  # (n * B, W * n * B)
     if hard_negatives is not None and hard_negatives.numel():
         m = hard_negatives.shape[0]
@@ -100,14 +128,29 @@ def compute_loss(
         t = F.normalize(teacher.to(anchors.dtype), dim=-1)  # (B, D_t)
         t_all = all_gather_no_grad(t) if gather else t  # (W * B, D_t)
         a = anchors if project is None else F.normalize(project(anchors).to(anchors.dtype), dim=-1)
-        columns.append(a @ t_all.T / temperature)  # (n * B, W * B)
+        teacher_logits = a @ t_all.T / temperature  # (n * B, W * B)
+        if guide is not None:
+            fn = sentence_mask(guide, sentence, tags_all, teacher_all)
+            if fn is not None:
+                own = (rank() * batch if gather else 0) + sentence  # (n * B,) the anchor's teacher column
+                fn[local, own] = False  # a positive
+                masked.append(fn)
+                teacher_logits = teacher_logits.masked_fill(fn, float("-inf"))
+        columns.append(teacher_logits)  # (n * B, W * B)
     if queue is not None and queue.shape[0] > 0:
-        columns.append(anchors @ queue.detach().to(anchors.dtype).T / temperature)  # (n * B, Q)
+        queue_logits = anchors @ queue.detach().to(anchors.dtype).T / temperature  # (n * B, Q)
+        if guide is not None:
+            fn = sentence_mask(guide, sentence, guide.queue_tags, guide.queue_teacher)
+            if fn is not None:
+                masked.append(fn)
+                queue_logits = queue_logits.masked_fill(fn, float("-inf"))
+        columns.append(queue_logits)  # (n * B, Q)
+    if counts is not None and guide is not None:
+        counts["false_negatives"] = sum((m.sum() for m in masked), torch.zeros((), device=device)).float()
     log_prob = F.log_softmax(torch.cat(columns, dim=1), dim=1)  # (n * B, all candidates)
 
     # Positives of anchor (v, b): views (v + k) % n of sentence b for k = 1 .. n-1 (and its teacher).
     view = local // batch  # (n * B,)
-    sentence = local % batch  # (n * B,)
     shift = torch.arange(1, n_views, device=device)  # (n - 1,)
     positive_view = (view[:, None] + shift[None, :]) % n_views  # (n * B, n - 1)
     positive = offset + positive_view * batch + sentence[:, None]  # (n * B, n - 1)
@@ -116,6 +159,21 @@ def compute_loss(
         positive = torch.cat([positive, own_teacher], dim=1)  # (n * B, n)
     positive_log_prob = log_prob.gather(1, positive)  # (n * B, n - 1 [+ 1])
     return -positive_log_prob.mean(dim=1).mean()
+
+
+def _gathered(x: torch.Tensor | None, gather: bool) -> torch.Tensor | None:
+    """Every rank's rows of a per-sentence tensor, rank-major, detached (a collective when gathering)."""
+    if x is None:
+        return None
+    return all_gather_no_grad(x) if gather else x.detach()
+
+
+def _per_view(x: torch.Tensor | None, world: int, n_views: int) -> torch.Tensor | None:
+    """(W * B, ...) per sentence -> (W * n * B, ...) per candidate view, in the candidates' order."""
+    if x is None:
+        return None
+    per_rank = x.reshape(world, 1, -1, *x.shape[1:])  # (W, 1, B, ...)
+    return per_rank.expand(world, n_views, *per_rank.shape[2:]).reshape(-1, *x.shape[1:])
 
 
 @dataclass
@@ -128,6 +186,10 @@ class LuseConfig:
     teacher_positive: bool = option(
         False, "The teacher embedding of each sentence is one more positive (and a candidate)."
     )
+    false_negatives: FalseNegativeConfig = option(
+        factory=FalseNegativeConfig,
+        help="Candidates never used as negatives: {same_id, same_text, teacher_margin} (docs/objectives.md).",
+    )
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -136,6 +198,19 @@ class LuseConfig:
             raise ConfigError("luse.queue_size must be >= 0 (0 = no queue)")
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError("luse.momentum must be in [0, 1) (0 = no momentum encoder)")
+
+
+def guide_of(c: FalseNegativeConfig, out: StepOutput) -> Guide | None:
+    """The false-negative guide of a step: the originals' and the queue's ids, text hashes, teacher."""
+    return make_guide(
+        c,
+        out.ids,
+        out.text_hashes,
+        out.queue_ids if out.queue is not None else None,
+        out.queue_text_hashes if out.queue is not None else None,
+        out.teacher,
+        out.teacher_queue if out.queue is not None else None,
+    )
 
 
 def _term_loss(c: LuseConfig, out: StepOutput) -> torch.Tensor:
@@ -147,11 +222,14 @@ def _term_loss(c: LuseConfig, out: StepOutput) -> torch.Tensor:
         teacher=out.teacher if c.teacher_positive else None,
         hard_negatives=out.hard_negatives,
         project=out.head,
+        guide=guide_of(c.false_negatives, out),
+        counts=out.counts,
     )
 
 
 def _reads(c: Any) -> frozenset[str]:
-    return frozenset({VIEWS, HARD_NEGATIVES, QUEUE} | ({TEACHER} if c.teacher_positive else set()))
+    teacher = c.teacher_positive or c.false_negatives.teacher_margin is not None
+    return frozenset({VIEWS, HARD_NEGATIVES, QUEUE} | ({TEACHER} if teacher else set()))
 
 
 TERM = Term(

@@ -22,6 +22,12 @@ Distributed: anchors are this rank's n * B views, candidates the (n * W * B) vie
 (gathered with gradient); the loss is the mean over this rank's rows of the full (n * B, W * n * B)
 matrix, so with equal local batch sizes the mean over ranks is the global-batch loss and DDP's averaged
 gradient is the single-process one (``tests/test_distributed_gloo.py``).
+
+False negatives (:mod:`pipeline.losses.false_negatives`, the term's ``false_negatives`` field): a pair
+whose candidate shares the anchor's sentence id (another occurrence of the same sentence in the global
+batch; this loss has no queue), optionally its text hash, or that the teacher scores as close as a
+positive, is not a negative: it weighs 0 in the mean, whose denominator stays the number of pairs (so the
+per-rank losses still average to the global loss); a view of the anchor's own sentence keeps label 1.
 """
 
 from __future__ import annotations
@@ -31,15 +37,26 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipeline.distributed import all_gather_with_grad, rank
+from pipeline.config import option
+from pipeline.distributed import all_gather_no_grad, all_gather_with_grad, rank
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.terms import VIEWS, Term
+from pipeline.losses.false_negatives import FalseNegativeConfig, Guide, make_guide, sentence_mask
+from pipeline.losses.terms import TEACHER, VIEWS, StepOutput, Term
 
 SELF_SIMILARITY = 0.99999  # LUSE's value on the diagonal (a probability of exactly 1 would be log(0))
 
 
-def compute_loss(embeddings: torch.Tensor, gather: bool = True) -> torch.Tensor:
-    """LUSE's pairwise BCE over (n_views, B_local, H) L2-normalised embeddings; a scalar."""
+def compute_loss(
+    embeddings: torch.Tensor,
+    gather: bool = True,
+    guide: Guide | None = None,
+    counts: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """LUSE's pairwise BCE over (n_views, B_local, H) L2-normalised embeddings; a scalar.
+
+    With ``guide`` the pairs of false negatives weigh 0 (a collective gathers its tags), and ``counts``
+    gets ``false_negatives``, the number of pairs dropped.
+    """
     if embeddings.dim() != 3:
         raise ValueError(f"embeddings must be (n_views, B, H), got {tuple(embeddings.shape)}")
     n_views, batch, dim = embeddings.shape
@@ -59,21 +76,50 @@ def compute_loss(embeddings: torch.Tensor, gather: bool = True) -> torch.Tensor:
     column = torch.arange(candidates.shape[0], device=device)  # (W * n * B,)
     same_rank = (column >= offset) & (column < offset + n_views * batch)  # (W * n * B,)
     same_sentence = (local % batch)[:, None] == ((column - offset) % batch)[None, :]  # (n * B, W * n * B)
-    labels = (same_sentence & same_rank[None, :]).to(probability.dtype)  # (n * B, W * n * B)
-    return F.binary_cross_entropy(probability, labels)
+    positive = same_sentence & same_rank[None, :]  # (n * B, W * n * B), the anchor itself included
+    labels = positive.to(probability.dtype)  # (n * B, W * n * B)
+    if guide is None:
+        return F.binary_cross_entropy(probability, labels)
+    world = candidates.shape[0] // (n_views * batch)
+    per_view = [  # each candidate view's sentence's tags and teacher vector, rank-major (collectives)
+        None if x is None else (all_gather_no_grad(x) if gather else x.detach()).reshape(world, 1, batch, -1)
+        for x in (guide.tags, guide.teacher)
+    ]
+    tags, teacher = [
+        None if x is None else x.expand(-1, n_views, -1, -1).reshape(world * n_views * batch, -1)
+        for x in per_view
+    ]
+    fn = sentence_mask(guide, local % batch, tags, teacher)  # (n * B, W * n * B) or None
+    fn = torch.zeros_like(positive) if fn is None else fn & ~positive
+    if counts is not None:
+        counts["false_negatives"] = fn.sum().float()
+    # A weight of exactly 1 where nothing is dropped: the loss and gradients are the unweighted ones.
+    return F.binary_cross_entropy(probability, labels, weight=(~fn).to(probability.dtype))
 
 
 @dataclass
 class PairwiseBCEConfig:
-    """No fields: LUSE's BCE has no temperature, scale or queue."""
+    """LUSE's BCE has no temperature, scale or queue; only the false-negative rules."""
+
+    false_negatives: FalseNegativeConfig = option(
+        factory=FalseNegativeConfig,
+        help="Pairs never used as negatives: {same_id, same_text, teacher_margin} (docs/objectives.md).",
+    )
+
+
+def _term_loss(c: PairwiseBCEConfig, out: StepOutput) -> torch.Tensor:
+    guide = make_guide(c.false_negatives, out.ids, out.text_hashes, teacher=out.teacher)
+    return compute_loss(out.views, gather=out.gather, guide=guide, counts=out.counts)  # views (n, B, H)
 
 
 TERM = Term(
     name="luse_bce",
     summary="LUSE's pairwise BCE of (1 + cos) / 2 over all pairs of views (same sentence = 1) (shards)",
     config=PairwiseBCEConfig,
-    loss=lambda c, out: compute_loss(out.views, gather=out.gather),  # views (n, B, H)
-    reads=lambda c: frozenset({VIEWS}),
+    loss=_term_loss,
+    reads=lambda c: frozenset(
+        {VIEWS} | ({TEACHER} if c.false_negatives.teacher_margin is not None else set())
+    ),
     part="contrastive",
     data="shards",
     num_views=lambda k, d: 1 + k + d,  # original, EDA variants, dropout views (as luse)

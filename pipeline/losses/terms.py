@@ -51,6 +51,13 @@ class StepOutput:
     mlm_labels: torch.Tensor | None = None  # (B, L) token ids at the masked positions, -100 elsewhere
     head: nn.Module | None = None  # the trainable head (sbert classifier or the teacher projection)
     gather: bool = True  # gather candidates across ranks (a collective)
+    ids: torch.Tensor | None = None  # (B,) int64 sentence ids of the originals (false-negative control)
+    text_hashes: torch.Tensor | None = None  # (B,) int64 hashes of their normalised texts
+    queue_ids: torch.Tensor | None = None  # (Q,) int64 sentence ids of the queued keys
+    queue_text_hashes: torch.Tensor | None = None  # (Q,) int64 text hashes of the queued keys
+    # Counts a term reports besides its value (luse's ``false_negatives``: candidates it masked); the
+    # loss returns them beside the parts, so they are logged with them.
+    counts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -146,7 +153,7 @@ class Loss:
             raise InputError("loss: hard negatives in the batch but no term reads them; use luse")
         parts = {t.term.part: t.term.loss(t.config, out) for t in self.terms}
         total: Any = sum(t.weight * parts[t.term.part] for t in self.terms)
-        return {"loss": total, **parts}
+        return {"loss": total, **parts, **out.counts}
 
 
 # ------------------------------------------------------------------------------------------- config

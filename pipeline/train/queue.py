@@ -26,6 +26,13 @@ forward pass at all (:func:`needs_forward`) and enqueues the detached online emb
 Those keys grow stale as the model moves (the reason MoCo introduced the EMA), so a memory bank
 works best with a small learning rate or a queue short compared with the drift.
 
+Sentence ids and text hashes. Beside each key the queue keeps the 64-bit sentence id of the key's
+sentence and the hash of its normalised text (:func:`pipeline.data.collate.text_hashes`), so that the
+loss can drop a queued key of the anchor's own sentence, or of a duplicate of it, from its negatives
+(``false_negatives`` in :mod:`pipeline.losses.false_negatives`). Both are buffers and resume exactly. A
+checkpoint of an earlier version has neither: its rows get :data:`UNKNOWN`, which matches no real id or
+hash except by a 1-in-2^64 chance.
+
 Dropout in the momentum encoder: on by default (the copy runs in train mode), as MoCo runs its key
 encoder in training mode. The online views the keys are compared with are themselves dropout views,
 so keys from the same distribution do not stand out as systematically "cleaner" negatives. Pass
@@ -43,7 +50,9 @@ from torch import nn
 from pipeline.distributed import all_gather_no_grad
 from pipeline.errors import ConfigError
 
-__all__ = ["MomentumEncoder", "NegativeQueue", "needs_forward", "validate_queue_size"]
+__all__ = ["UNKNOWN", "MomentumEncoder", "NegativeQueue", "needs_forward", "validate_queue_size"]
+
+UNKNOWN = -(2**63)  # the id and text hash of a row restored from a checkpoint that did not store them
 
 
 def validate_queue_size(queue_size: int, global_batch: int) -> None:
@@ -69,12 +78,15 @@ def validate_queue_size(queue_size: int, global_batch: int) -> None:
 class NegativeQueue(nn.Module):
     """A FIFO of ``size`` keys of width ``dim``, identical on every rank.
 
-    The keys, the write pointer and the fill count are buffers, so ``.to(device)`` moves them and
-    ``state_dict`` / ``load_state_dict`` restore the queue exactly. The pointer and count are also
+    The keys, their sentence ids and text hashes (int64, one per row), the write pointer and the fill
+    count are buffers, so ``.to(device)`` moves them and ``state_dict`` / ``load_state_dict`` restore the
+    queue exactly. The pointer and count are also
     mirrored as Python ints so that the training step never reads a device value back to the host.
     """
 
     keys: torch.Tensor
+    ids: torch.Tensor
+    text_hashes: torch.Tensor
     ptr: torch.Tensor
     filled: torch.Tensor
 
@@ -85,12 +97,20 @@ class NegativeQueue(nn.Module):
         self.size = size
         self.dim = dim
         self.register_buffer("keys", torch.zeros(size, dim, dtype=dtype))
+        self.register_buffer("ids", torch.full((size,), UNKNOWN, dtype=torch.long))
+        self.register_buffer("text_hashes", torch.full((size,), UNKNOWN, dtype=torch.long))
         self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
         self.register_buffer("filled", torch.zeros((), dtype=torch.long))
         self._ptr = 0
         self._filled = 0
         # One host read per load, never per step.
         self.register_load_state_dict_post_hook(NegativeQueue._sync_counters)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # A checkpoint of an earlier version stored keys only: its rows' ids and hashes are unknown.
+        for name in ("ids", "text_hashes"):
+            state_dict.setdefault(prefix + name, torch.full((self.size,), UNKNOWN, dtype=torch.long))
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     @staticmethod
     def _sync_counters(module: NegativeQueue, incompatible_keys: Any) -> None:
@@ -119,9 +139,20 @@ class NegativeQueue(nn.Module):
         """
         return self.keys[: self._filled].detach().clone()  # (filled, dim)
 
+    def negative_ids(self) -> torch.Tensor:
+        """The sentence ids of the filled rows, (filled,) int64, row for row with :meth:`negatives`."""
+        return self.ids[: self._filled].clone()  # (filled,)
+
+    def negative_text_hashes(self) -> torch.Tensor:
+        """The normalised-text hashes of the filled rows, (filled,) int64."""
+        return self.text_hashes[: self._filled].clone()  # (filled,)
+
     @torch.no_grad()
-    def enqueue(self, keys: torch.Tensor) -> None:
-        """Append ``keys`` (N, dim), already gathered from all ranks, dropping the oldest rows.
+    def enqueue(
+        self, keys: torch.Tensor, ids: torch.Tensor | None = None, text_hashes: torch.Tensor | None = None
+    ) -> None:
+        """Append ``keys`` (N, dim), already gathered from all ranks, dropping the oldest rows; with them
+        their sentence ids and text hashes (N,) int64 (left out: :data:`UNKNOWN`).
 
         If N exceeds the queue size only the newest ``size`` rows are kept, exactly as if the rows
         had been written one by one.
@@ -132,21 +163,41 @@ class NegativeQueue(nn.Module):
         if count == 0:
             return
         keys = keys.detach().to(device=self.keys.device, dtype=self.keys.dtype)
+        tags = [self._tags(t, count) for t in (ids, text_hashes)]  # (N,) each
         start = self._ptr
         if count > self.size:
             start = (self._ptr + count - self.size) % self.size
             keys = keys[-self.size :]  # (size, dim)
+            tags = [t[-self.size :] for t in tags]
         rows = (start + torch.arange(keys.shape[0], device=self.keys.device)) % self.size  # (N,)
         self.keys[rows] = keys
+        self.ids[rows], self.text_hashes[rows] = tags
         self._ptr = (self._ptr + count) % self.size
         self._filled = min(self.size, self._filled + count)
         self.ptr.fill_(self._ptr)
         self.filled.fill_(self._filled)
 
+    def _tags(self, values: torch.Tensor | None, count: int) -> torch.Tensor:
+        if values is None:
+            return torch.full((count,), UNKNOWN, dtype=torch.long, device=self.ids.device)
+        if values.shape != (count,):
+            raise ValueError(f"ids and text hashes must be ({count},), got {tuple(values.shape)}")
+        return values.to(device=self.ids.device, dtype=torch.long)
+
     @torch.no_grad()
-    def enqueue_gathered(self, local_keys: torch.Tensor) -> None:
-        """Gather ``local_keys`` (B, dim) from all ranks in rank order, then enqueue (collective)."""
-        self.enqueue(all_gather_no_grad(local_keys))
+    def enqueue_gathered(
+        self,
+        local_keys: torch.Tensor,
+        ids: torch.Tensor | None = None,
+        text_hashes: torch.Tensor | None = None,
+    ) -> None:
+        """Gather ``local_keys`` (B, dim), and their ids and text hashes (B,) when given, from all ranks in
+        rank order, then enqueue (collectives: one per tensor given)."""
+
+        def gather(tags: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tags is None else all_gather_no_grad(tags.to(local_keys.device))
+
+        self.enqueue(all_gather_no_grad(local_keys), gather(ids), gather(text_hashes))
 
     def extra_repr(self) -> str:
         return f"size={self.size}, dim={self.dim}"
