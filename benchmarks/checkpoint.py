@@ -48,7 +48,7 @@ def bench_save_load(config_path: Path, repeats: int, workdir: Path) -> None:
         make_tokenizer,
         write_vocab,
     )
-    from pipeline.model.vocab import read_model_config
+    from pipeline.model.vocab import SCRATCH_SMALL, read_model_config
     from pipeline.resources import SAMPLE_CORPUS
     from pipeline.train.checkpoint import Checkpointer
     from pipeline.train.config import Config, resolve_path
@@ -57,7 +57,8 @@ def bench_save_load(config_path: Path, repeats: int, workdir: Path) -> None:
     cfg = load_config(Config, config_path, {"data.shards": str(workdir)})
     luse = cfg.terms().config("luse")
     queue_size = luse.queue_size if luse is not None else 0
-    model_config = read_model_config(resolve_path(cfg.model.scratch_config))
+    scratch = resolve_path(cfg.model.scratch_config) if cfg.model.scratch_config else SCRATCH_SMALL
+    model_config = read_model_config(scratch)
     texts = SAMPLE_CORPUS.read_text(encoding="utf-8").splitlines()
     write_vocab(
         build_char_vocab(texts, cfg.model.vocab_min_count, cfg.model.vocab_max_size), workdir / "vocab.txt"
@@ -91,7 +92,7 @@ def bench_save_load(config_path: Path, repeats: int, workdir: Path) -> None:
         load_t.append(t3 - t2)
     files = json.loads((path / "checkpoint.json").read_text())["files"]
     print(
-        f"model: {config_path.name} ({cfg.model.scratch_config.name}), {params / 1e6:.2f} M parameters, "
+        f"model: {config_path.name} ({scratch.name}), {params / 1e6:.2f} M parameters, "
         f"queue {queue_size}"
     )
     state_mib = (path / "state.pt").stat().st_size / 2**20

@@ -30,7 +30,7 @@ def test_every_shipped_config_validates(path):
     cfg = load_config(Config, path)
     # a contrastive objective needs a positive view; distillation alone reads one view per sentence
     assert cfg.num_views() >= (2 if cfg.terms().main is not None else 1)
-    assert (PROJECT_ROOT / cfg.model.scratch_config).is_file()
+    assert cfg.model.scratch_config is None or (PROJECT_ROOT / cfg.model.scratch_config).is_file()
     if cfg.train.deepspeed_config:
         assert (PROJECT_ROOT / cfg.train.deepspeed_config).is_file()
 

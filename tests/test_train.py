@@ -279,3 +279,19 @@ def test_an_error_mid_run_stops_the_loader_workers(tmp_path, shards):
     # the traceback (held by `raised`) keeps the loop's frame alive, as it does while Python exits
     assert raised.traceback is not None
     assert set(multiprocessing.active_children()) - before == set()
+
+
+def test_a_scratch_model_without_a_config_file_is_the_package_s_small_bert(tmp_path, shards):
+    """model.scratch_config left empty: the BertConfig shipped inside the package (an installed wheel has
+    no launch/ folder), not a path into the source checkout."""
+    from pipeline.model.vocab import SCRATCH_SMALL, read_model_config
+    from pipeline.train.build import build_encoder
+
+    cfg = debug_config(tmp_path, shards, **{"model.scratch_config": None, "run_dir": str(tmp_path / "r")})
+    assert cfg.model.scratch_config is None and SCRATCH_SMALL.is_relative_to(PROJECT_ROOT / "pipeline")
+    config = build_encoder(cfg).backbone.config
+    wanted = read_model_config(SCRATCH_SMALL)
+    assert (config.hidden_size, config.num_hidden_layers) == (
+        wanted["hidden_size"],
+        wanted["num_hidden_layers"],
+    )

@@ -14,6 +14,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+# The package's own from-scratch BERT (model.scratch_config left empty): 4 layers, hidden 128.
+SCRATCH_SMALL = Path(__file__).resolve().parent / "scratch_small.json"
+
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 _ASCII = string.ascii_lowercase + string.digits
 

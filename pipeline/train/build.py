@@ -30,7 +30,7 @@ from pipeline.evaluate.sts import PairSet, read_pair_file
 from pipeline.losses import Loss
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
 from pipeline.model.heads import MLMHead, TrainModule
-from pipeline.model.vocab import read_model_config, write_vocab
+from pipeline.model.vocab import SCRATCH_SMALL, read_model_config, write_vocab
 from pipeline.resources import EVAL_DIR
 from pipeline.shards import ShardSet, read_shard, read_shard_set, shard_paths
 from pipeline.stages.teacher.identity import batches_carry_teacher
@@ -227,7 +227,7 @@ def build_encoder(cfg: Config) -> SentenceEncoder:
         if m.random_init:
             reinitialise(encoder.backbone, cfg.train.seed)
         return encoder
-    path = resolve_path(m.scratch_config)
+    path = resolve_path(m.scratch_config) if m.scratch_config is not None else SCRATCH_SMALL
     if not path.is_file():
         raise ConfigError(f"model.scratch_config: {path} does not exist; point it to a BertConfig JSON")
     tokenizer = build_tokenizer(cfg)

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 def resolve_path(path: Path) -> Path:
     """A relative path as given if it exists from the working directory, else from the project root.
 
-    Shipped configs name files such as ``launch/configs/model_small.json`` relative to the repository,
+    Shipped configs name files such as ``launch/deepspeed/zero2.json`` relative to the repository,
     so they work from any working directory.
     """
     if path.is_absolute() or path.exists():
@@ -107,8 +107,10 @@ class ModelConfig:
         None,
         "A transformers encoder by Hub name or local folder (e.g. hfl/rbt3); empty = build from scratch.",
     )
-    scratch_config: Path = option(
-        Path("launch/configs/model_small.json"), "BertConfig fields (JSON) for a from-scratch model."
+    scratch_config: Path | None = option(
+        None,
+        "BertConfig fields (JSON) for a from-scratch model; empty = the package's small BERT "
+        "(pipeline/model/scratch_small.json: 4 layers, 128 hidden).",
     )
     vocab_min_count: int = option(
         2, "Scratch model: keep characters seen at least this often in training text."
