@@ -207,3 +207,29 @@ def test_config_errors_and_missing_inputs():
     with pytest.raises(ValueError, match="text hashes"):
         loss(StepOutput(views=unit(2, 3, 8).float(), ids=torch.tensor([1, 2, 3]), gather=False))
     assert build_loss([{"luse": {"false_negatives": {"teacher_margin": 0.05}}}]).reads("teacher")
+
+
+# ------------------------------------------------------------------------------------------ in training
+def test_a_second_epoch_meets_its_own_stale_keys_and_the_run_logs_how_many_were_masked(tmp_path, tiny_shards):
+    """96 sentences, 6 steps of 16 per epoch, a queue of all 96 keys (momentum 0): in epoch 1 no anchor
+    has a key queued; in epoch 2 the queue holds its own sentences' keys from epoch 1, which are masked."""
+    import json
+
+    from _train_data import debug_config
+
+    from pipeline.train.run import run
+
+    shards = tiny_shards([[40, 24], [32]], num_variants=3)
+    luse = {"luse": {"temperature": 0.05, "queue_size": 96, "momentum": 0.0}}
+    cfg = debug_config(
+        tmp_path,
+        shards,
+        **{"loss": [luse], "train.max_steps": 12, "train.log_every": 1, "train.eval_every": 0},
+        **{"train.eval_max_pairs": 32},
+    )
+    assert run(cfg) == 0
+    records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    masked = {r["step"]: r["false_negatives_loss"] for r in records if "false_negatives_loss" in r}
+    assert sorted(masked) == list(range(1, 13))
+    assert all(masked[s] == 0 for s in range(1, 7))  # distinct sentences, none queued yet
+    assert sum(masked[s] for s in range(7, 13)) > 0 and all(v % 1 == 0 for v in masked.values())
