@@ -295,3 +295,13 @@ def test_a_scratch_model_without_a_config_file_is_the_package_s_small_bert(tmp_p
         wanted["hidden_size"],
         wanted["num_hidden_layers"],
     )
+
+
+def test_unk_rate_counts_unknown_tokens_without_specials(tmp_path):
+    from pipeline.model.vocab import build_char_vocab, make_tokenizer, unk_rate, write_vocab
+
+    write_vocab(build_char_vocab(["你好世界"], 1, 200), tmp_path / "vocab.txt")
+    tokenizer = make_tokenizer(tmp_path / "vocab.txt")
+    assert unk_rate(tokenizer, ["你好", "世界"]) == 0.0
+    assert unk_rate(tokenizer, ["你好吗", "界"]) == 0.25  # 吗 is unknown: 1 of 4 tokens
+    assert unk_rate(tokenizer, []) == 0.0

@@ -73,11 +73,8 @@ def read_model_config(path: str | Path) -> dict[str, Any]:
 
 
 def unk_rate(tokenizer: Any, texts: Iterable[str]) -> float:
-    """Share of produced tokens (special tokens excluded) that are [UNK]."""
-    unk, total = tokenizer.unk_token_id, 0
-    hits = 0
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        total += len(ids)
-        hits += sum(1 for i in ids if i == unk)
-    return hits / max(total, 1)
+    """Share of produced tokens (special tokens excluded) that are [UNK]; one batch call."""
+    texts = list(texts)
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    total = sum(len(x) for x in ids)
+    return sum(x.count(tokenizer.unk_token_id) for x in ids) / max(total, 1)

@@ -30,7 +30,7 @@ from pipeline.evaluate.sts import PairSet, read_pair_file
 from pipeline.losses import Loss
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
 from pipeline.model.heads import MLMHead, TrainModule
-from pipeline.model.vocab import SCRATCH_SMALL, read_model_config, write_vocab
+from pipeline.model.vocab import SCRATCH_SMALL, read_model_config, unk_rate, write_vocab
 from pipeline.resources import EVAL_DIR
 from pipeline.shards import ShardSet, read_shard, read_shard_set, shard_paths
 from pipeline.stages.teacher.identity import batches_carry_teacher
@@ -238,19 +238,14 @@ def build_encoder(cfg: Config) -> SentenceEncoder:
 
 
 def report_unk_rate(encoder: SentenceEncoder, metrics: MetricsLogger, lines: int = 500) -> dict[str, float]:
-    """[UNK] share of tokens on each evaluation set (first ``lines`` pairs), logged and recorded.
-
-    The same measure as :func:`pipeline.model.unk_rate`, tokenised in one batch call per file.
-    """
-    tokenizer, rates = encoder.tokenizer, {}
+    """[UNK] share of tokens (:func:`pipeline.model.unk_rate`) on each evaluation set (first ``lines``
+    pairs), logged and recorded."""
+    rates = {}
     for path in sorted(EVAL_DIR.glob("*.tsv")):
         texts = []
         for line in path.read_text(encoding="utf-8").splitlines()[:lines]:
             texts.extend(f for f in line.split("\t") if f and not f.lstrip("-").isdigit())
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        total = sum(len(x) for x in ids)
-        hits = sum(x.count(tokenizer.unk_token_id) for x in ids)
-        rates[path.stem] = round(hits / max(total, 1), 5)
+        rates[path.stem] = round(unk_rate(encoder.tokenizer, texts), 5)
     log.info("[UNK] rate on the evaluation sets: %s", rates)
     metrics.log({"event": "unk_rate", **rates})
     return rates

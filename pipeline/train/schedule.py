@@ -63,5 +63,5 @@ class LRSchedule:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # The rate is a function of the step; the saved shape is kept so a resumed run reports it.
-        self.saved = dict(state)
+        """Nothing to restore: the rate is a function of the step and of the config (whose changes the
+        checkpoint's config check reports); the saved shape is only a record."""
