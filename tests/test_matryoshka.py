@@ -179,3 +179,12 @@ def test_a_debug_run_trains_with_the_matryoshka_term(tmp_path, tiny_shards):
     assert len(logged) == 10 and all(math.isfinite(r["matryoshka_loss"]) for r in logged)
     for r in logged:  # the total is the weighted sum of the logged terms
         assert r["loss"] == pytest.approx(r["contrastive_loss"] + 0.5 * r["matryoshka_loss"], rel=1e-4)
+
+
+def test_an_old_objective_section_keeps_the_matryoshka_term():
+    from pipeline.losses import TERMS
+    from pipeline.losses.terms import apply_legacy_objective
+
+    entries = [{"distill": {}, "weight": 1.0}, {"matryoshka": {"dims": [128]}, "weight": 0.5}]
+    patched = apply_legacy_objective(entries, {"distill_weight": 2.0}, TERMS)
+    assert patched == [{"distill": {}, "weight": 2.0}, {"matryoshka": {"dims": [128]}, "weight": 0.5}]

@@ -279,4 +279,5 @@ def apply_legacy_objective(
                 f"objective.{key} applies to luse only; add a luse term to `loss` or set it to 0 "
                 "(docs/objectives.md)"
             )
-    return [{slots[s]["name"]: slots[s]["fields"], "weight": slots[s]["weight"]} for s in ORDER if s in slots]
+    order = [*ORDER, *(s for s in slots if s not in ORDER)]  # terms the old section had none of (matryoshka)
+    return [{slots[s]["name"]: slots[s]["fields"], "weight": slots[s]["weight"]} for s in order if s in slots]
