@@ -233,3 +233,20 @@ def test_a_second_epoch_meets_its_own_stale_keys_and_the_run_logs_how_many_were_
     assert sorted(masked) == list(range(1, 13))
     assert all(masked[s] == 0 for s in range(1, 7))  # distinct sentences, none queued yet
     assert sum(masked[s] for s in range(7, 13)) > 0 and all(v % 1 == 0 for v in masked.values())
+
+
+def test_micro_batches_carry_each_sentences_id_and_text_hash():
+    from pipeline.train.loop import micro_batches
+
+    b, n = 4, 2
+    batch = {
+        "num_views": n,
+        "input_ids": torch.arange(n * b)[:, None],  # row v * B + i
+        "attention_mask": torch.ones(n * b, 1, dtype=torch.long),
+        "ids": torch.tensor([10, 11, 12, 13]),
+        "text_hashes": torch.tensor([-1, -2, -3, -4]),
+    }
+    first, second = micro_batches(batch, 2)
+    assert first["input_ids"].flatten().tolist() == [0, 1, 4, 5]  # sentences 0 and 1, both views
+    assert first["ids"].tolist() == [10, 11] and second["ids"].tolist() == [12, 13]
+    assert second["text_hashes"].tolist() == [-3, -4]
