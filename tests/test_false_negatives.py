@@ -229,7 +229,7 @@ def test_a_second_epoch_meets_its_own_stale_keys_and_the_run_logs_how_many_were_
     )
     assert run(cfg) == 0
     records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
-    masked = {r["step"]: r["false_negatives_loss"] for r in records if "false_negatives_loss" in r}
+    masked = {r["step"]: r["false_negatives_count"] for r in records if "false_negatives_count" in r}
     assert sorted(masked) == list(range(1, 13))
     assert all(masked[s] == 0 for s in range(1, 7))  # distinct sentences, none queued yet
     assert sum(masked[s] for s in range(7, 13)) > 0 and all(v % 1 == 0 for v in masked.values())

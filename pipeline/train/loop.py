@@ -219,9 +219,13 @@ def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, Any]:
     n, b = mb["num_views"], rows.shape[0] // rows_per_sentence(mb)
     out: dict[str, Any] = {"embeddings": rows[: n * b].detach().view(n, b, -1)}  # (n, B, H), last micro-batch
     out["loss"] = torch.stack([p["loss"] for p in parts]).mean()
-    if len(parts[0]) > 2:  # more than one term: log each (contrastive, distill, kl, mlm)
-        for key in parts[0].keys() - {"loss"}:
-            out[f"{key}_loss"] = torch.stack([p[key] for p in parts]).mean()
+    term_parts = {wt.term.part for wt in t.loss.terms}
+    for key in parts[0].keys() - {"loss"}:
+        values = torch.stack([p[key] for p in parts])
+        if key not in term_parts:  # a count a term reports (luse's false_negatives), over micro-batches
+            out[f"{key}_count"] = values.sum()
+        elif len(term_parts) > 1:  # more than one term: log each (contrastive, distill, kl, mlm)
+            out[f"{key}_loss"] = values.mean()
     if check is not None:
         out["check"] = check
     return out
@@ -239,6 +243,8 @@ def log_step(t: Trainer, out: dict[str, torch.Tensor], throughput: Throughput, b
     }
     for key in sorted(k for k in out if k.endswith("_loss")):  # contrastive, distill, kl, mlm
         record[key] = dist.all_reduce_mean(out[key]).item()
+    for key in sorted(k for k in out if k.endswith("_count")):  # e.g. false negatives masked, all ranks
+        record[key] = int(dist.all_reduce_sum(out[key]).item())
     rate = throughput.rate(t.state.samples_seen)
     record["sentences_per_s"] = rate
     record["sequences_per_s"] = rate * out["embeddings"].shape[0]
