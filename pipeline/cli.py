@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 import typing
 from dataclasses import dataclass
@@ -166,6 +167,11 @@ def setup_logging() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
+    if not sys.stderr.isatty():
+        # In a log file, transformers' and the Hub's carriage-return bars ("Loading weights", "Writing
+        # model shards") pile up on one line; our own long work reports through pipeline.progress.
+        # Read when transformers is first imported, so set before any command imports it.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def main(argv: list[str] | None = None) -> int:
