@@ -9,9 +9,9 @@ from test_search import build_tiny_model, corpus_lines
 
 from pipeline.cli import main
 from pipeline.data.pairs import read_triples
+from pipeline.normalize import normalize_text
 from pipeline.search import SearchIndex
 from pipeline.search.mine import mine_negatives
-from pipeline.stages.preprocess.text import normalize_text
 
 
 def test_normalize_text_ignores_case_width_space_and_punctuation():

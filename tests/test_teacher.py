@@ -236,7 +236,7 @@ def test_select_negatives_skips_self_duplicates_variants_and_the_similarity_band
         "股票上涨了。",
         "他在读书。",
     ]
-    from pipeline.stages.preprocess.text import normalize_text
+    from pipeline.normalize import normalize_text
 
     pool = Pool(
         ids=np.arange(len(texts), dtype=np.uint64),

@@ -14,13 +14,13 @@ import torch
 
 from pipeline.data.token_ids import TEXT_COLUMNS, TOKEN_ID_COLUMNS, pad_ids
 from pipeline.losses.mlm import MASK_PROB, batch_generator, mask_tokens
-from pipeline.stages.preprocess.text import normalize_text
+from pipeline.normalize import normalize_text
 
 
 def text_hashes(texts: Sequence[Any]) -> torch.Tensor:
     """(B,) int64: the first 8 bytes of blake2b of each normalised text, little-endian, as a signed int.
 
-    Equal for texts equal after :func:`~pipeline.stages.preprocess.text.normalize_text` (NFKC, case-folded,
+    Equal for texts equal after :func:`~pipeline.normalize.normalize_text` (NFKC, case-folded,
     without whitespace and punctuation): the key of the ``same_text`` false-negative rule. Pre-tokenised
     rows carry token ids instead of text: their hash is of the ids (int64 bytes), so it matches texts that
     tokenise alike (the tokenizer's own normalisation) rather than after normalize_text.

@@ -222,7 +222,7 @@ class SentenceEncoder(nn.Module):
         Sentences are sorted by length so each batch pads little, then put back in input order.
         ``truncate_dim``: keep the first k dimensions and re-normalise (a Matryoshka prefix), (N, k).
         """
-        from tqdm.auto import tqdm
+        from pipeline import progress as progress_bars
 
         was_training = self.training
         self.eval()
@@ -230,7 +230,7 @@ class SentenceEncoder(nn.Module):
         order = np.argsort([-len(t) for t in texts], kind="stable")
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         batches = range(0, len(texts), batch_size)
-        for start in tqdm(batches, desc=desc, disable=not progress, unit="batch"):
+        for start in progress_bars.bar(iterable=batches, desc=desc, disable=not progress, unit="batch"):
             idx = order[start : start + batch_size]
             batch = self.tokenize([texts[i] for i in idx])
             batch = {k: v.to(device) for k, v in batch.items()}

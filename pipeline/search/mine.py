@@ -25,8 +25,8 @@ from pipeline.config import option
 from pipeline.data import pairs as pair_reader
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_bytes
+from pipeline.normalize import normalize_text
 from pipeline.search.api import SearchIndex
-from pipeline.stages.preprocess.text import normalize_text
 
 log = logging.getLogger(__name__)
 

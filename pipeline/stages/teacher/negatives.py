@@ -3,7 +3,7 @@
 Every sentence is searched among the teacher vectors of all shards (a faiss inner-product index of
 the L2-normalised vectors: cosine). Walking its ``depth`` nearest neighbours in rank order, a
 neighbour is skipped when it is the sentence itself, equal to it or to one of its own variants after
-:func:`pipeline.stages.preprocess.text.normalize_text` (a near-duplicate in text), above ``max_similarity``
+:func:`pipeline.normalize.normalize_text` (a near-duplicate in text), above ``max_similarity``
 cosine (a near-duplicate in meaning, likely a positive) or below ``min_similarity``; the first K
 survivors are its hard negatives, hardest first. A sentence may get fewer than K (counted as
 ``short``). Exact (flat) search makes the choice deterministic; IVF/HNSW trade that for speed.
@@ -25,8 +25,8 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.io import atomic_write_json
+from pipeline.normalize import normalize_text
 from pipeline.shards import read_shard, write_shard
-from pipeline.stages.preprocess.text import normalize_text
 from pipeline.stages.runner import read_record, record_path, shard_index
 from pipeline.vectors import block_teacher
 
