@@ -22,7 +22,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pipeline.finetune.run import Config, load_tasks, task_digest  # noqa: E402
+from pipeline.finetune.cells import task_digest  # noqa: E402
+from pipeline.finetune.run import Config, load_tasks  # noqa: E402
 from pipeline.finetune.summary import zero_shot  # noqa: E402
 
 METRIC = {"classification": "accuracy", "similarity": "spearman"}

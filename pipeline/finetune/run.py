@@ -10,12 +10,10 @@ task and cached in ``DIR/cache/``. Writes ``finetune.json``, ``finetune.md`` and
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import logging
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,7 +22,8 @@ import numpy as np
 
 from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError, InputError
-from pipeline.finetune.tasks import BUILTIN, SPLITS, Task, TaskSpec, load_task, parse_task_file
+from pipeline.finetune.cells import Cell, cells_of, read_cell, task_digest
+from pipeline.finetune.tasks import BUILTIN, Task, TaskSpec, load_task, parse_task_file
 
 log = logging.getLogger(__name__)
 
@@ -162,33 +161,6 @@ class Progress:
             self._bar = None
 
 
-# ------------------------------------------------------------------------------------------ cells
-@dataclass(frozen=True)
-class Cell:
-    task: str
-    regime: str
-    seed: int
-    lr: float
-
-    @property
-    def name(self) -> str:
-        return f"{self.task} {self.regime} seed {self.seed} lr {self.lr:g}"
-
-    def path(self, out: Path) -> Path:
-        return out / "cells" / self.task / f"{self.regime}-seed{self.seed}-lr{self.lr:g}.json"
-
-
-def task_digest(task: Task) -> str:
-    """A hash of the task's splits (texts and labels): a recorded cell is reused only on the same data."""
-    h = hashlib.sha256()
-    for s in SPLITS:
-        split = task.splits[s]
-        h.update(
-            json.dumps([s, split.texts_a, split.texts_b, split.labels.tolist()], ensure_ascii=False).encode()
-        )
-    return h.hexdigest()[:16]
-
-
 def setting_of(cfg: Config, model_info: dict[str, Any]) -> dict[str, Any]:
     return {"model": model_info["model_dir"], **{k: getattr(cfg, k) for k in SETTING_KEYS}}
 
@@ -212,27 +184,6 @@ def check_setting(out: Path, setting: dict[str, Any]) -> None:
         return
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, setting)
-
-
-def read_cell(path: Path, digest: str) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"recorded cell {path} is unreadable ({exc}); delete it to recompute it") from None
-    if record.get("data") != digest:
-        raise InputError(
-            f"recorded cell {path} was computed on other data (the task files changed); use a new --out"
-        )
-    return record
-
-
-def cells_of(cfg: Config, task: str, regime: str) -> Iterator[Cell]:
-    lrs = cfg.train_lrs if regime == "train" else cfg.freeze_lrs
-    for seed in cfg.seeds:
-        for lr in lrs:
-            yield Cell(task, regime, seed, lr)
 
 
 # ------------------------------------------------------------------------------------------ model

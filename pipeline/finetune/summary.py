@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.finetune.cells import cells_of, task_digest
 from pipeline.finetune.tasks import SPLITS, Task
 
 
 def summarise(cfg: Any, tasks: list[Task], records: dict[Any, dict[str, Any]], out: Path) -> dict[str, Any]:
-    from pipeline.finetune.run import cells_of, task_digest
     from pipeline.finetune.train import primary_metric
 
     summary: dict[str, Any] = {}
