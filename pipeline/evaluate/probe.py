@@ -22,27 +22,43 @@ class LabelledTexts:
     labels: np.ndarray  # (N,) int
 
 
-def read_labelled_tsv(path: str | Path = SENTIMENT) -> LabelledTexts:
-    """A ``label<TAB>text`` file with that header; a malformed row is an error naming its line."""
+def read_label_text_tsv(path: str | Path, what: str = "labelled file") -> list[tuple[int, str, str]]:
+    """A ``label<TAB>text`` file with that header: (line number, label as written, text) per row. Blank
+    lines are skipped; a malformed row is an error naming its file:line."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"probe data {path} does not exist")
-    texts, labels = [], []
+        raise InputError(f"{what} {path} does not exist")
+    rows = []
     with open(path, encoding="utf-8", newline="") as f:
         reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
         header = next(reader, None)
         if header != ["label", "text"]:
-            raise InputError(f"{path}:1: expected the header 'label<TAB>text', got {header!r}")
+            raise InputError(f"{path}:1: expected the header 'label<TAB>text', got {header!r}; add it")
         for lineno, row in enumerate(reader, start=2):
+            if not row or row == [""]:
+                continue
             if len(row) != 2:
                 raise InputError(
-                    f"{path}:{lineno}: expected 2 tab-separated fields (label, text), got {len(row)}"
+                    f"{path}:{lineno}: expected 2 tab-separated fields (label, text), got {len(row)}; "
+                    "fix or remove the line"
                 )
-            try:
-                labels.append(int(row[0]))
-            except ValueError:
-                raise InputError(f"{path}:{lineno}: label {row[0]!r} is not an integer") from None
-            texts.append(row[1])
+            label, text = row[0].strip(), row[1].strip()
+            if not label or not text:
+                missing = "label" if not label else "text"
+                raise InputError(f"{path}:{lineno}: empty {missing}; fix or remove the line")
+            rows.append((lineno, label, text))
+    return rows
+
+
+def read_labelled_tsv(path: str | Path = SENTIMENT) -> LabelledTexts:
+    """A ``label<TAB>text`` file with integer labels (the probe's data); errors name file:line."""
+    texts, labels = [], []
+    for lineno, label, text in read_label_text_tsv(path, "probe data"):
+        try:
+            labels.append(int(label))
+        except ValueError:
+            raise InputError(f"{path}:{lineno}: label {label!r} is not an integer") from None
+        texts.append(text)
     return LabelledTexts(texts, np.asarray(labels))
 
 

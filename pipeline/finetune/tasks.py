@@ -11,7 +11,6 @@ smaller budget is a prefix of a larger one.
 
 from __future__ import annotations
 
-import csv
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -19,6 +18,7 @@ from typing import Literal
 import numpy as np
 
 from pipeline.errors import InputError
+from pipeline.evaluate.probe import read_label_text_tsv
 from pipeline.resources import EVAL_DIR, SENTIMENT
 
 Kind = Literal["classification", "similarity"]
@@ -85,29 +85,8 @@ BUILTIN: dict[str, TaskSpec] = {
 
 def read_classification(path: str | Path) -> tuple[list[str], list[str]]:
     """A ``label<TAB>text`` file with that header: (labels as written, texts). Errors name file:line."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"task file {path} does not exist")
-    labels, texts = [], []
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        header = next(reader, None)
-        if header != ["label", "text"]:
-            raise InputError(f"{path}:1: expected the header 'label<TAB>text', got {header!r}; add it")
-        for lineno, row in enumerate(reader, start=2):
-            if not row or row == [""]:
-                continue
-            if len(row) != 2:
-                raise InputError(
-                    f"{path}:{lineno}: expected 2 tab-separated fields (label, text), got {len(row)}; "
-                    "fix or remove the line"
-                )
-            label, text = row[0].strip(), row[1].strip()
-            if not label or not text:
-                missing = "label" if not label else "text"
-                raise InputError(f"{path}:{lineno}: empty {missing}; fix or remove the line")
-            labels.append(label)
-            texts.append(text)
+    rows = read_label_text_tsv(path, "task file")
+    labels, texts = [label for _, label, _ in rows], [text for _, _, text in rows]
     if len(set(labels)) < 2:
         raise InputError(f"task file {path}: fewer than two classes; a classification task needs two")
     return labels, texts
