@@ -74,8 +74,9 @@ class ViewCollator:
     missing slots: an in-batch negative anyway), and ``batch["num_hard_negatives"] = m``. With
     ``teacher`` the batch carries ``batch["teacher"]``, the cached teacher vectors (B, D) float32.
 
-    ``batch["ids"]`` holds the sentences' 64-bit ids and ``batch["text_hashes"]`` the hashes of their
-    normalised texts (:func:`text_hashes`), both (B,) int64: what the false-negative rules compare.
+    ``batch["ids"]`` holds the sentences' 64-bit ids and, with ``hash_texts`` (a ``same_text`` rule is
+    on), ``batch["text_hashes"]`` the hashes of their normalised texts (:func:`text_hashes`), both (B,)
+    int64: what the false-negative rules compare.
 
     With ``pretokenized`` the rows carry the shards' token ids (``pipeline tokenize``, hash checked by
     :func:`pipeline.data.token_ids.shards_have_ids`) and are padded instead of tokenised: the same
@@ -92,8 +93,10 @@ class ViewCollator:
         teacher: bool = False,
         num_hard_negatives: int = 0,
         pretokenized: bool = False,
+        hash_texts: bool = False,
     ):
         self.pretokenized = pretokenized
+        self.hash_texts = hash_texts  # only a false_negatives.same_text rule reads the hashes
         if pretokenized:
             self.pad_id = tokenizer.pad_token_id
         else:
@@ -123,7 +126,6 @@ class ViewCollator:
             mask = torch.cat([mask[:cut], mask[:b].repeat(self.d, 1), mask[cut:]])
         out = {
             "ids": torch.tensor(np.asarray(rows["id"], dtype=np.uint64).view(np.int64)),
-            "text_hashes": text_hashes(texts),  # (B,) int64, computed here in the loader workers
             "input_ids": ids,  # ((n + m) * B, L)
             "attention_mask": mask,  # ((n + m) * B, L)
             "num_views": 1 + self.k + self.d,
@@ -132,6 +134,8 @@ class ViewCollator:
             out["num_hard_negatives"] = self.m
         if self.teacher:
             out["teacher"] = torch.from_numpy(np.stack(rows["teacher"]))  # (B, D) float32
+        if self.hash_texts:
+            out["text_hashes"] = text_hashes(texts)  # (B,) int64, computed here in the loader workers
         return out
 
 

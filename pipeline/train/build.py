@@ -319,8 +319,11 @@ def build_stream(
         k, views = loss.shard_views(d.num_variants, d.num_dropout_views)
         teacher = batches_carry_teacher(cfg, shard_set)  # checked in check_against_data
         pretokenized = shards_have_ids(shard_set, tokenizer, prefix, d.max_length)  # refuses other ids
+        # Text hashes cost the loader workers and a gather per step: only a same_text rule reads them.
+        rules = [getattr(wt.config, "false_negatives", None) for wt in loss.terms]
+        hash_texts = any(r is not None and r.same_text for r in rules)
         collate = ViewCollator(
-            tokenizer, d.max_length, k, views, prefix, teacher, d.num_hard_negatives, pretokenized
+            tokenizer, d.max_length, k, views, prefix, teacher, d.num_hard_negatives, pretokenized, hash_texts
         )
         source: Any = ShardSource(blocks, collate.columns)
         mlm = loss.config("mlm")
