@@ -239,6 +239,40 @@ def test_cli_prints_a_summary(wordpiece_model: Path, tmp_path: Path, capsys) -> 
     assert "layers kept       [0, 2] of 4" in out and "pieces kept" in out and "same pieces" in out
 
 
+def test_model_dropout_is_a_training_setting_the_saved_model_keeps_its_own(
+    wordpiece_model: Path, tmp_path: Path
+) -> None:
+    """model.dropout acts on every dropout module (two train-mode passes differ) but is not written into
+    the model: a checkpoint or export keeps the folder's own dropout (0.0 here) in config.json."""
+    import json
+
+    from _train_data import debug_config
+    from torch import nn
+
+    from pipeline.train.build import build_encoder
+
+    folder_config = json.loads((wordpiece_model / "config.json").read_text())
+    assert folder_config["hidden_dropout_prob"] == 0.0
+    cfg = debug_config(
+        tmp_path,
+        tmp_path / "no-shards",
+        **{"model.name_or_path": str(wordpiece_model), "model.dropout": 0.3},
+    )
+    encoder = build_encoder(cfg)
+    ps = {m.p for m in encoder.backbone.modules() if isinstance(m, nn.Dropout)}
+    assert ps == {0.3}
+    batch = encoder.tokenize(CORPUS[:4])
+    encoder.train()
+    torch.manual_seed(0)
+    assert not torch.equal(encoder(**batch), encoder(**batch))  # dropout is on while training
+    encoder.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert (saved["hidden_dropout_prob"], saved["attention_probs_dropout_prob"]) == (
+        folder_config["hidden_dropout_prob"],
+        folder_config["attention_probs_dropout_prob"],
+    )
+
+
 def test_model_layers_cut_at_build_time(wordpiece_model: Path, tmp_path: Path) -> None:
     from _train_data import debug_config
     from transformers import BertModel

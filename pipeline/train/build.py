@@ -209,17 +209,24 @@ def reinitialise(backbone: torch.nn.Module, seed: int) -> None:
     log.info("model.random_init: every weight of the model folder re-initialised (seed %d)", seed)
 
 
+def set_dropout(backbone: nn.Module, p: float) -> None:
+    """Train with dropout ``p`` without writing it into the model: every dropout module (hidden and
+    attention; BERT's attention reads its module's ``p`` too) takes ``p``, and the config keeps the
+    folder's own values, so a saved or exported model carries its original dropout to whoever fine-tunes
+    it next (a distilled student trained at 0 is still fine-tuned at e5's 0.1)."""
+    for module in backbone.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = p
+
+
 def build_encoder(cfg: Config) -> SentenceEncoder:
     m = cfg.model
-    dropout = (
-        {}
-        if m.dropout is None
-        else {"hidden_dropout_prob": m.dropout, "attention_probs_dropout_prob": m.dropout}
-    )
     if m.name_or_path:
         encoder = SentenceEncoder.from_pretrained(
-            m.name_or_path, pooling=m.pooling, max_length=cfg.data.max_length, prefix=m.prefix, **dropout
+            m.name_or_path, pooling=m.pooling, max_length=cfg.data.max_length, prefix=m.prefix
         )
+        if m.dropout is not None:
+            set_dropout(encoder.backbone, m.dropout)
         if m.layers is not None:
             from pipeline.stages.student import keep_layers
 
@@ -231,6 +238,11 @@ def build_encoder(cfg: Config) -> SentenceEncoder:
     if not path.is_file():
         raise ConfigError(f"model.scratch_config: {path} does not exist; point it to a BertConfig JSON")
     tokenizer = build_tokenizer(cfg)
+    dropout = (
+        {}
+        if m.dropout is None
+        else {"hidden_dropout_prob": m.dropout, "attention_probs_dropout_prob": m.dropout}
+    )
     backbone = build_scratch_backbone({**read_model_config(path), **dropout}, len(tokenizer), cfg.train.seed)
     return SentenceEncoder(
         backbone, tokenizer, pooling=m.pooling, max_length=cfg.data.max_length, prefix=m.prefix or ""

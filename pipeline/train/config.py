@@ -130,7 +130,9 @@ class ModelConfig:
         "(encoder.json prefix or the sentence-transformers default prompt), none for a scratch model.",
     )
     dropout: float | None = option(
-        None, "Hidden and attention dropout; empty keeps the model's own (dropout makes the views differ)."
+        None,
+        "Hidden and attention dropout while training; empty keeps the model's own (dropout makes the views "
+        "differ). Saved models keep the folder's own value in config.json.",
     )
     freeze_embeddings: bool = option(
         False,
