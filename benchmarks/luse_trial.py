@@ -36,6 +36,11 @@ def load(runs: Path) -> dict[str, dict[str, dict]]:
         if not match or not run.is_dir():
             continue
         arm = arms.setdefault(match[1], {"zs": {}, "ft": {}, "dev": {}, "seeds": [], "tasks": {}})
+        if (
+            run / "identical.txt"
+        ).is_file():  # luse_trial.sh found its weights bit-identical to another arm's
+            print((run / "identical.txt").read_text(encoding="utf-8").strip())
+            continue
         zs_file, ft_file = run / "zs" / "eval.json", run / "ft" / "finetune.json"
         if not (zs_file.is_file() and ft_file.is_file()):
             continue  # a run still going (or stopped): left out, and the seed count says so

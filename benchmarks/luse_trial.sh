@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-runs/luse_trial}
-ARMS=${ARMS:-cut luse distill distill_luse luse_bce simcse luse_nofn}
+ARMS=${ARMS:-cut luse distill distill_luse luse_bce simcse luse_gist luse_nofn}
 SEEDS=${SEEDS:-0 1 2}
 export RUNS LUSE_STEPS=${LUSE_STEPS:-150}
 mkdir -p "$RUNS/logs"
@@ -20,13 +20,19 @@ mkdir -p "$RUNS/logs"
 job() {  # job ARM SEED
   local arm=$1 s=$2 C=benchmarks/luse_trial PY=${PYTHON:-.venv/bin/python} M
   local R=$RUNS/$arm-s$s
-  [ -f "$R/ft/finetune.json" ] && return 0
+  [ -f "$R/ft/finetune.json" ] || [ -f "$R/identical.txt" ] && return 0
   export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
   pre() { "$PY" launch/pretrain.py --config "$@" --train.seed="$s"; }
   case $arm in
     cut) M=runs/sample/student ;;
-    luse|luse_nofn|luse_bce)
+    luse|luse_bce|luse_gist)
       pre $C/$arm.yaml --train.max_steps="$LUSE_STEPS" --run_dir="$R" --model.dropout=0.1; M=$R/model ;;
+    luse_nofn)  # without false-negative control: where the control masked nothing, the same weights
+      pre $C/luse_nofn.yaml --train.max_steps="$LUSE_STEPS" --run_dir="$R" --model.dropout=0.1; M=$R/model
+      if cmp -s "$M/model.safetensors" "$RUNS/luse-s$s/model/model.safetensors"; then
+        echo "luse_nofn seed $s: model.safetensors is bit-identical to luse's; not scored again" | tee "$R/identical.txt"
+        return 0
+      fi ;;
     simcse)
       pre $C/simcse.yaml --train.max_steps=$((LUSE_STEPS * 3)) --run_dir="$R" --model.dropout=0.1; M=$R/model ;;
     distill)

@@ -30,6 +30,8 @@ def test_the_verdict_needs_a_difference_beyond_the_larger_std(tmp_path, capsys, 
     _run(runs, "luse-s0", 31.0, {("A", "train"): 10.5, ("B", "train"): 54.0}, dev=30.0)
     _run(runs, "luse-s1", 33.0, {("A", "train"): 11.5, ("B", "train"): 54.0}, dev=32.0)
     (runs / "luse-s2").mkdir()  # a run still going: no results yet, left out
+    (runs / "nofn-s0").mkdir()
+    (runs / "nofn-s0" / "identical.txt").write_text("nofn seed 0: bit-identical to luse's\n")
     with benchmark_module("luse_trial") as trial:
         arms = trial.load(runs)
         assert arms["luse"]["seeds"] == [0, 1] and arms["cut"]["seeds"] == [0, 1]
@@ -42,5 +44,6 @@ def test_the_verdict_needs_a_difference_beyond_the_larger_std(tmp_path, capsys, 
         monkeypatch.setattr(sys, "argv", ["luse_trial.py", str(runs), "--plot", str(tmp_path / "d.png")])
         assert trial.main() == 0
     out = capsys.readouterr().out
+    assert "nofn seed 0: bit-identical" in out and "| nofn |" not in out
     assert "| luse vs cut | TrainBERT | +1.00 better | +2.00 level | 1 / 1 / 0 |" in out
     assert (tmp_path / "d.png").stat().st_size > 0
