@@ -9,8 +9,9 @@ SEED`: one fine-tuning seed per pretraining seed, so the spread covers both). Ev
 score at the lr chosen on dev (the finetune command's rule); mean ± sample std over the arm's seeds. The
 selection table averages the dev scores only: a recipe is chosen on it, never on the test columns.
 
-The verdict compares an arm with its init (``--reference``; ``--pairs A:B`` adds more comparisons, e.g.
-distillation + LUSE against distillation alone) task by task: **better** when the difference of the
+The verdict compares an arm with its init (``--reference``; ``--pairs A:B`` adds more comparisons: the
+CLS-pooled arms against the init read with CLS pooling, distillation + LUSE against distillation alone)
+task by task: **better** when the difference of the
 means exceeds the larger of the two standard deviations, **worse** when it is below minus that, level
 otherwise (the issue's "beyond one standard deviation").
 """
@@ -87,7 +88,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", type=Path)
     parser.add_argument("--reference", default="cut", help="the init every arm is compared with")
-    parser.add_argument("--pairs", nargs="*", default=["distill_luse:distill"], help="more ARM:REFERENCE")
+    parser.add_argument(
+        "--pairs",
+        nargs="*",
+        default=[
+            "luse:cut_cls",
+            "luse_bce:cut_cls",
+            "luse_gist:cut_cls",
+            "simcse:cut_cls",
+            "distill_luse:distill",
+        ],
+        help="more ARM:REFERENCE (default: CLS-pooled arms against the CLS-pooled init, and distill)",
+    )
     parser.add_argument("--plot", type=Path, default=None, help="write the differences as a PNG here")
     args = parser.parse_args()
     arms = load(args.runs)

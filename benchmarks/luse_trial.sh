@@ -12,19 +12,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-runs/luse_trial}
-ARMS=${ARMS:-cut luse distill distill_luse luse_bce simcse luse_gist luse_nofn}
+ARMS=${ARMS:-cut cut_cls luse distill distill_luse luse_bce simcse luse_gist luse_nofn}
 SEEDS=${SEEDS:-0 1 2}
 export RUNS LUSE_STEPS=${LUSE_STEPS:-150}
 mkdir -p "$RUNS/logs"
 
 job() {  # job ARM SEED
   local arm=$1 s=$2 C=benchmarks/luse_trial PY=${PYTHON:-.venv/bin/python} M
-  local R=$RUNS/$arm-s$s
+  local R=$RUNS/$arm-s$s POOL=()
   [ -f "$R/ft/finetune.json" ] || [ -f "$R/identical.txt" ] && return 0
   export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
   pre() { "$PY" launch/pretrain.py --config "$@" --train.seed="$s"; }
   case $arm in
     cut) M=runs/sample/student ;;
+    cut_cls) M=runs/sample/student POOL=(--pooling cls) ;;  # the init as the CLS-pooled LUSE arms read it
     luse|luse_bce|luse_gist)
       pre $C/$arm.yaml --train.max_steps="$LUSE_STEPS" --run_dir="$R" --model.dropout=0.1; M=$R/model ;;
     luse_nofn)  # without false-negative control: where the control masked nothing, the same weights
@@ -44,8 +45,8 @@ job() {  # job ARM SEED
       M=$R/luse/model ;;
     *) echo "luse_trial: unknown arm $arm" >&2; return 2 ;;
   esac
-  [ -f "$R/zs/eval.json" ] || "$PY" -m pipeline eval "$M" --suite "[sts]" --max_pairs 2000 --out "$R/zs"
-  "$PY" -m pipeline finetune "$M" --out "$R/ft" --seeds "$s" --train_lrs 1e-4 --progress false
+  [ -f "$R/zs/eval.json" ] || "$PY" -m pipeline eval "$M" "${POOL[@]}" --suite "[sts]" --max_pairs 2000 --out "$R/zs"
+  "$PY" -m pipeline finetune "$M" "${POOL[@]}" --out "$R/ft" --seeds "$s" --train_lrs 1e-4 --progress false
 }
 export -f job
 for arm in $ARMS; do for s in $SEEDS; do echo "$arm $s"; done; done |
