@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-runs/luse_trial}
-ARMS=${ARMS:-cut cut_cls luse distill distill_luse luse_bce simcse luse_gist luse_nofn}
+ARMS=${ARMS:-cut cut_cls luse distill distill_luse luse_bce simcse luse_nofn}  # also: luse_gist
 SEEDS=${SEEDS:-0 1 2}
 export RUNS LUSE_STEPS=${LUSE_STEPS:-150}
 mkdir -p "$RUNS/logs"
