@@ -15,6 +15,7 @@ from pipeline.config import load_config
 from pipeline.train.config import PROJECT_ROOT, Config
 
 CONFIGS = sorted((PROJECT_ROOT / "launch" / "configs").glob("*.yaml"))
+CONFIGS += sorted((PROJECT_ROOT / "benchmarks" / "luse_trial").glob("*.yaml"))  # the LUSE trial's arms
 DEBUG = PROJECT_ROOT / "launch" / "configs" / "debug.yaml"
 
 
@@ -25,7 +26,7 @@ def shards(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_shipped_config_validates(path):
     cfg = load_config(Config, path)
     # a contrastive objective needs a positive view; distillation alone reads one view per sentence
