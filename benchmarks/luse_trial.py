@@ -10,7 +10,8 @@ score at the lr chosen on dev (the finetune command's rule); mean ± sample std 
 selection table averages the dev scores only: a recipe is chosen on it, never on the test columns.
 
 The verdict compares an arm with its init (``--reference``; ``--pairs A:B`` adds more comparisons: the
-CLS-pooled arms against the init read with CLS pooling, distillation + LUSE against distillation alone)
+CLS-pooled arms against the init read with CLS pooling, LUSE against SimCSE, distillation + LUSE against
+distillation alone)
 task by task: **better** when the difference of the
 means exceeds the larger of the two standard deviations, **worse** when it is below minus that, level
 otherwise (the issue's "beyond one standard deviation").
@@ -96,9 +97,11 @@ def main() -> int:
             "luse_bce:cut_cls",
             "luse_gist:cut_cls",
             "simcse:cut_cls",
+            "luse:simcse",
+            "luse_bce:simcse",
             "distill_luse:distill",
         ],
-        help="more ARM:REFERENCE (default: CLS-pooled arms against the CLS-pooled init, and distill)",
+        help="more ARM:REFERENCE (default: the comparisons of the module docstring)",
     )
     parser.add_argument("--plot", type=Path, default=None, help="write the differences as a PNG here")
     args = parser.parse_args()
@@ -156,22 +159,23 @@ def plot(diffs: dict, comparisons: list, tasks: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), sharey=True)
-    width = 0.8 / max(1, len(comparisons))
+    colours = plt.get_cmap("tab20").colors
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6), sharey=True)
+    width = 0.84 / max(1, len(comparisons))
     for ax, (regime, title) in zip(axes, REGIMES.items(), strict=True):
         for k, (arm, ref) in enumerate(comparisons):
             x = np.arange(len(tasks)) + (k - (len(comparisons) - 1) / 2) * width
-            ax.bar(
-                x, [diffs.get((arm, ref, regime, t), np.nan) for t in tasks], width, label=f"{arm} − {ref}"
-            )
+            values = [diffs.get((arm, ref, regime, t), np.nan) for t in tasks]
+            ax.bar(x, values, width, color=colours[k % len(colours)], label=f"{arm} − {ref}")
         ax.axhline(0, color="black", linewidth=0.8)
         ax.set_xticks(np.arange(len(tasks)))
         ax.set_xticklabels(tasks, fontsize=8)
-        ax.set_title(f"{title}: test score difference (mean of seeds)", fontsize=9)
+        ax.set_title(f"{title}: test score difference, mean of seeds", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].set_ylabel("points x100")
-    axes[1].legend(fontsize=7, loc="best")
-    fig.tight_layout()
+    axes[0].set_ylabel("points x100 (arm − reference)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
