@@ -4,19 +4,30 @@ A resumed run is exact only if each rank continues the same random streams: drop
 torch's global generator (CPU, and CUDA on GPUs), EDA view choices or shuffles may use ``random`` or
 ``numpy``. :class:`RNGState` wraps them as one stateful object for the checkpointer's per-rank states.
 
+CUDA keeps one generator per visible device, and a rank draws from its own device's only. When a
+requeued job sees a different number of GPUs (another node type, one GPU bound per task instead of
+all of them), the state of the device this rank used when it saved is restored onto the device it
+uses now, with one log line: the rank's dropout stream goes on exactly. A checkpoint that does not
+name its device (older ones) maps state i onto device i for the devices both have.
+
 Everything is stored as plain Python values and tensors, so the file loads with
 ``torch.load(weights_only=True)``: numpy's key array becomes an int64 tensor, Python's state a list.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
 import numpy as np
 import torch
 
+from pipeline.errors import PipelineError
+
 __all__ = ["RNGState", "capture_rng_state", "restore_rng_state"]
+
+log = logging.getLogger(__name__)
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -35,13 +46,14 @@ def capture_rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        # One state per visible device; restoring needs the same number of devices (checked below).
+        # One state per visible device, and the one this rank draws from (for a changed GPU count).
         state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_device"] = torch.cuda.current_device()
     return state
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng_state`. A missing CUDA entry leaves CUDA generators alone."""
+    """Inverse of :func:`capture_rng_state`. A missing CUDA entry (or no CUDA now) leaves CUDA alone."""
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     npy = state["numpy"]
@@ -56,12 +68,43 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     cuda = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():
-        if len(cuda) != torch.cuda.device_count():
-            raise RuntimeError(
-                f"checkpoint holds CUDA RNG states for {len(cuda)} devices but {torch.cuda.device_count()} "
-                "are visible; resume with the same CUDA_VISIBLE_DEVICES"
-            )
-        torch.cuda.set_rng_state_all(cuda)
+        _restore_cuda(list(cuda), state.get("cuda_device"))
+
+
+def _restore_cuda(saved: list[torch.Tensor], saved_device: int | None) -> None:
+    """Restore the per-device CUDA generators, mapping them when the number of devices changed."""
+    visible = torch.cuda.device_count()
+    if len(saved) == visible:
+        torch.cuda.set_rng_state_all(saved)
+        return
+    if saved_device is None:  # a checkpoint from before the device was recorded: state i -> device i
+        n = min(len(saved), visible)
+        for i in range(n):
+            torch.cuda.set_rng_state(saved[i], i)
+        log.warning(
+            "checkpoint holds CUDA RNG states for %d devices but %d are visible: restored states 0..%d "
+            "onto devices 0..%d; a rank whose device index changed draws a different dropout stream",
+            len(saved),
+            visible,
+            n - 1,
+            n - 1,
+        )
+        return
+    if not 0 <= saved_device < len(saved):
+        raise PipelineError(
+            f"checkpoint's RNG state names CUDA device {saved_device} but holds states for {len(saved)} "
+            "devices: the rank state file is damaged; resume from another checkpoint (--resume PATH)"
+        )
+    current = torch.cuda.current_device()
+    torch.cuda.set_rng_state(saved[saved_device], current)
+    log.info(
+        "checkpoint holds CUDA RNG states for %d devices, %d visible now: this rank's state (saved on "
+        "device %d) restored onto device %d, its dropout stream continues exactly",
+        len(saved),
+        visible,
+        saved_device,
+        current,
+    )
 
 
 class RNGState:
