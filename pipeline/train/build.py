@@ -419,6 +419,9 @@ def write_run_config(cfg: Config) -> None:
 def build(cfg: Config) -> Trainer:
     """Every piece of a run, checked and (if there is a checkpoint) resumed, ready for :func:`train`."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # loader workers tokenise; no nested pools
+    from pipeline.train.determinism import enable_determinism  # before CUDA is initialised
+
+    enable_determinism(cfg.train.deterministic)
     accelerator = build_accelerator(cfg)
     world, rank = accelerator.num_processes, accelerator.process_index
     loss = cfg.terms()

@@ -296,6 +296,12 @@ class TrainConfig:
         "STS-B valid score (model selection on the dev set, as SimCSE's reference trainer does).",
     )
     debug_dump: bool = option(False, "Write RUN_DIR/debug/rank{r}.json (checksums of parameters and queue).")
+    deterministic: bool = option(
+        False,
+        "Deterministic GPU kernels (deterministic algorithms, cuBLAS workspace, cuDNN without autotuning, "
+        "SDPA math attention): the same weights on every rerun and resume on GPUs, at a speed cost. "
+        "CPU runs are exact either way (docs/fault_tolerance.md).",
+    )
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 2:
