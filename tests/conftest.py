@@ -1,21 +1,74 @@
-"""Fixtures shared by the tests: a fresh Accelerate state and tiny shards (the debug config: _train_data)."""
+"""Fixtures shared by the tests: process-wide state restored after every test, and tiny shards.
+
+A test may change process-wide state on purpose (Accelerate writes ``ACCELERATE_USE_DEEPSPEED`` and
+friends into ``os.environ``; the teacher stage sets torch's thread count). ``restore_process_state``
+puts every such thing back after each test, so a test passes or fails the same alone or after any
+other, and lists the tests that changed something in the session summary.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from _train_data import make_shards
+
+_changed: list[str] = []
+
+
+def _process_state() -> dict[str, object]:
+    return {
+        "environ": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},  # pytest's own
+        "cwd": os.getcwd(),
+        "torch threads": torch.get_num_threads(),
+        "torch default dtype": torch.get_default_dtype(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "grad enabled": torch.is_grad_enabled(),
+    }
+
+
+def _restore(saved: dict[str, object]) -> None:
+    environ = saved["environ"]
+    for key in set(os.environ) - set(environ) - {"PYTEST_CURRENT_TEST"}:
+        del os.environ[key]
+    os.environ.update(environ)
+    os.chdir(saved["cwd"])
+    torch.set_num_threads(saved["torch threads"])
+    torch.set_default_dtype(saved["torch default dtype"])
+    torch.use_deterministic_algorithms(saved["deterministic algorithms"])
+    torch.set_grad_enabled(saved["grad enabled"])
 
 
 @pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Accelerate keeps its state in class attributes: a test that trains must not see the last one's."""
+def restore_process_state(request):
+    """Accelerate keeps its state in class attributes and os.environ: reset both after each test."""
+    saved = _process_state()
     yield
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(True)
+    now = _process_state()
+    changed = [name for name in saved if now[name] != saved[name]]
+    if changed:
+        if "environ" in changed:
+            keys = sorted(
+                k
+                for k in set(saved["environ"]) | set(now["environ"])
+                if saved["environ"].get(k) != now["environ"].get(k)
+            )
+            changed[changed.index("environ")] = "environ (" + ", ".join(keys) + ")"
+        _changed.append(f"{request.node.nodeid}: {'; '.join(changed)}")
+        _restore(saved)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _changed:
+        terminalreporter.section("process-wide state changed by a test (restored after it)")
+        for line in _changed:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
