@@ -46,7 +46,6 @@ from pipeline.io import (
     format_size,
     fsync_dir,
     fsync_file,
-    fsync_tree,
     is_disk_full,
     needed_phrase,
     sha256_file,
@@ -121,6 +120,8 @@ HARMLESS_KEYS: tuple[str, ...] = (
     "train.max_steps",
     "train.epochs",
     "train.cpu",
+    "train.device",
+    "train.collective_timeout",
 )
 
 
@@ -180,13 +181,37 @@ def _torch_save(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def save_model(model: Any, directory: Path) -> None:
+    """``model.save_pretrained(directory)`` with every floating-point weight written in float32.
+
+    Under DeepSpeed bf16/fp16 the engine keeps the module itself in half precision (its float32 master
+    weights live in the ZeRO optimizer state, saved under ``deepspeed/``): the safetensors and
+    config.json of ``model/`` and of the final model would otherwise be half precision. The module is
+    not touched (ZeRO's flat buffers alias its parameters); a float32 copy of the state dict is written.
+    """
+    backbone = getattr(model, "backbone", None)
+    weights = backbone.state_dict() if backbone is not None else {}
+    if all(not w.is_floating_point() or w.dtype == torch.float32 for w in weights.values()):
+        model.save_pretrained(directory)
+        return
+    upcast = {k: w.detach().float() if w.is_floating_point() else w for k, w in weights.items()}
+    save = backbone.save_pretrained
+    backbone.save_pretrained = lambda *args, **kwargs: save(*args, **{**kwargs, "state_dict": upcast})
+    try:
+        model.save_pretrained(directory)
+    finally:
+        del backbone.save_pretrained  # the instance attribute; the class's method shows through again
+    config = Path(directory) / "config.json"
+    if config.is_file():  # transformers names the module's dtype there, not the weights'
+        data = json.loads(config.read_text(encoding="utf-8"))
+        for key in ("dtype", "torch_dtype"):
+            if key in data:
+                data[key] = "float32"
+        config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
 def _state_dicts(states: Mapping[str, Stateful]) -> dict[str, Any]:
     return {name: obj.state_dict() for name, obj in states.items()}
-
-
-def _first_failure(failure: str | None) -> str | None:
-    """The first rank's failure message, or None (collective: every rank learns whether any failed)."""
-    return next((f for f in distributed.all_gather_object(failure) if f is not None), None)
 
 
 def _read_pointer(path: Path) -> str | None:
@@ -308,20 +333,28 @@ class Checkpointer:
             kind, message = problem
             raise (NonFiniteError if kind == "nonfinite" else DiskFullError)(message)
 
-        failure = None
+        failure, deepspeed_info = None, None
+        synced: list[Path] = []  # files this rank wrote and fsynced itself
         try:
             _torch_save(_state_dicts(rank_states), tmp / rank_file_name(rank))
-            deepspeed_info = self._save_engine(tmp) if self.engine is not None else None
+            synced.append(tmp / rank_file_name(rank))
+            if self.engine is not None:
+                deepspeed_info, engine_files = self._save_engine(tmp)
+                synced += engine_files
             if distributed.is_main_process():
-                model.save_pretrained(tmp / MODEL_DIR)
+                save_model(model, tmp / MODEL_DIR)  # fsynced in _finish with the directories
                 _torch_save(shared, tmp / STATE_FILE)
                 text = yaml.safe_dump(dict(config), sort_keys=False, allow_unicode=True)
                 atomic_write_bytes(tmp / CONFIG_FILE, text.encode("utf-8"))
+                synced += [tmp / STATE_FILE, tmp / CONFIG_FILE]
         except Exception as exc:  # safetensors reports ENOSPC in its own error type
             if not isinstance(exc, DiskFullError) and not is_disk_full(exc):
                 raise
             failure = f"rank {rank}: {exc}"
-        failure = _first_failure(failure)  # every rank's files are in tmp, or every rank knows one failed
+        # every rank's files are in tmp and flushed by their writer, or every rank knows one failed
+        reports = distributed.all_gather_object((failure, [str(p) for p in synced]))
+        failure = next((f for f, _ in reports if f is not None), None)
+        flushed = {Path(p) for _, files in reports for p in files}
 
         if distributed.is_main_process() and failure is None:
             metrics = dict(metrics or {})
@@ -338,6 +371,7 @@ class Checkpointer:
                     list(states),
                     list(rank_states),
                     deepspeed_info,
+                    flushed,
                 )
                 if is_best and self.keep_best:
                     atomic_write_bytes(self.dir / BEST, f"{final.name}\n".encode())
@@ -391,16 +425,36 @@ class Checkpointer:
             "and the previous ones are intact: free space and rerun the same command to resume"
         )
 
-    def _save_engine(self, tmp: Path) -> dict[str, Any]:
-        """The DeepSpeed engine's own checkpoint (collective); every rank writes its ZeRO partition."""
+    def _save_engine(self, tmp: Path) -> tuple[dict[str, Any], list[Path]]:
+        """The DeepSpeed engine's own checkpoint (collective); every rank writes its ZeRO partition.
+
+        Each rank fsyncs only the files it wrote, recorded at the engine's ``checkpoint_engine.save``
+        (W fsyncs per save, not W x W on a shared filesystem); whatever it wrote another way (DeepSpeed
+        copies its zero_to_fp32.py script on rank 0) is flushed by rank 0 in :meth:`_finish`.
+        """
         target = tmp / DEEPSPEED_DIR
-        self.engine.save_checkpoint(str(target), tag=DEEPSPEED_TAG, save_latest=False)
-        for path in walk_files(target):  # each rank flushes what it wrote (shared filesystems)
+        written: list[Path] = []
+        writer = getattr(self.engine, "checkpoint_engine", None)
+        if writer is not None:
+            save = writer.save
+
+            def recording_save(state_dict: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+                written.append(Path(path))
+                return save(state_dict, path, *args, **kwargs)
+
+            writer.save = recording_save
+        try:
+            self.engine.save_checkpoint(str(target), tag=DEEPSPEED_TAG, save_latest=False)
+        finally:
+            if writer is not None:
+                writer.save = save
+        for path in written:  # each rank flushes what it wrote (shared filesystems)
             fsync_file(path)
-        return {
+        info = {
             "zero_stage": int(self.engine.zero_optimization_stage()),
             "dp_world_size": _dp_size(self.engine),
         }
+        return info, written
 
     def _finish(
         self,
@@ -413,8 +467,15 @@ class Checkpointer:
         state_names: list[str],
         rank_state_names: list[str],
         deepspeed_info: dict[str, Any] | None,
+        flushed: set[Path] = frozenset(),
     ) -> None:
-        fsync_tree(tmp)
+        # Rank 0 flushes the files no rank flushed as it wrote them (its model folder, anything a library
+        # wrote by itself) and every directory; each rank's own files were fsynced by that rank.
+        for path in walk_files(tmp):
+            if path not in flushed:
+                fsync_file(path)
+        for dirpath, _, _ in os.walk(tmp):
+            fsync_dir(dirpath)
         files = {
             path.relative_to(tmp).as_posix(): {"sha256": sha256_file(path), "bytes": path.stat().st_size}
             for path in walk_files(tmp)

@@ -25,6 +25,7 @@ from pipeline.config import to_dict
 from pipeline.evaluate.sts import score_pairs
 from pipeline.losses import StepOutput
 from pipeline.train.build import Trainer
+from pipeline.train.checkpoint import save_model
 from pipeline.train.gradcache import chunked_forward_backward
 from pipeline.train.guard import NonFiniteError, SpikeDetector, StepCheck, grad_norm, step_verdict
 from pipeline.train.metrics import Throughput, alignment_uniformity
@@ -476,7 +477,7 @@ def finish(t: Trainer) -> None:
                 log.warning(
                     "train.final_model=best but no best checkpoint exists: saving the last step's weights"
                 )
-            t.encoder.save_pretrained(target)
+            save_model(t.encoder, target)  # float32, also when DeepSpeed keeps the module in bf16/fp16
             log.info("final model saved to %s", target)
     if t.cfg.train.debug_dump:
         write_debug_dump(t)
