@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A unit is a top-level module or package of ``pipeline`` (pipeline.X).
 LAYERS: list[tuple[str, ...]] = [
     ("pipeline", "pipeline.errors", "pipeline.distributed", "pipeline.progress"),  # no pipeline imports
-    ("pipeline.config", "pipeline.io", "pipeline.normalize"),  # config system; durable writes; text keys
+    ("pipeline.config", "pipeline.io", "pipeline.normalize", "pipeline.devices"),  # + where to compute
     ("pipeline.shards", "pipeline.vectors", "pipeline.run_layout", "pipeline.resources"),  # formats; data
     ("pipeline.model", "pipeline.stages", "pipeline.stages.runner"),  # the encoder; the stage runner
     ("pipeline.losses",),  # loss terms over embeddings

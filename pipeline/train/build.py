@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from pipeline.config import from_dict, to_dict
 from pipeline.data.collate import MLMCollator, PairCollator, ViewCollator
 from pipeline.data.stream import BatchStream, MemorySource, ShardSource, index_shards
 from pipeline.data.token_ids import shards_have_ids
+from pipeline.devices import CudaProbe, bind_local_device, probe_cuda, resolve_device
 from pipeline.errors import ConfigError, InputError, PipelineError
 from pipeline.evaluate.sts import PairSet, read_pair_file
 from pipeline.losses import Loss
@@ -130,18 +132,33 @@ class Trainer:
 
 # ------------------------------------------------------------------------------------------ pieces
 def build_accelerator(cfg: Config) -> Any:
+    """The process group and the device, checked first: a run that asked for GPUs and has none fails
+    here, in seconds, before anything is built (pipeline/devices.py says why and what to do)."""
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.utils import InitProcessGroupKwargs
 
-    no_gpu = cfg.train.cpu or not torch.cuda.is_available()
+    from pipeline.train.hangs import init_process_group
+
+    probe = probe_cuda()
+    device, why = resolve_device(cfg.train.device, probe)
+    no_gpu = device == "cpu"
+    if not no_gpu:
+        torch.cuda.set_device(bind_local_device())  # one GPU per task: cuda:0 whatever the LOCAL_RANK
     # Accelerate drops DeepSpeed when told to use the CPU, so under DeepSpeed a GPU-less run keeps
     # cpu=False and gets the gloo backend explicitly (else Accelerate reports one process).
     cpu = no_gpu and not cfg.train.deepspeed_config
     if cfg.train.deepspeed_config and os.environ.pop("ACCELERATE_USE_CPU", None):
         log.info("DeepSpeed: ignoring ACCELERATE_USE_CPU (DeepSpeed runs on CPU over gloo by itself)")
+    backend = "gloo" if no_gpu else "nccl"
+    # Our own process group, with train.collective_timeout; Accelerate and DeepSpeed use it as it is.
+    init_process_group(backend, cfg.train.collective_timeout)
+    timeout = timedelta(seconds=cfg.train.collective_timeout)
     kwargs: dict[str, Any] = {}
     if no_gpu and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
+    elif not no_gpu:
+        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="nccl", timeout=timeout)]
+    ds: dict[str, Any] | None = None
     if cfg.train.deepspeed_config:
         path = resolve_path(cfg.train.deepspeed_config)
         if not path.is_file():
@@ -158,11 +175,47 @@ def build_accelerator(cfg: Config) -> Any:
             # The engine skips a bf16 step with non-finite gradients; the guard reads its verdict.
             ds["bf16"].setdefault("check_grad_overflow", True)
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
-    return Accelerator(
+    accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=cfg.train.mixed_precision,
         gradient_accumulation_steps=cfg.train.grad_accum_steps,
         **kwargs,
+    )
+    if accelerator.is_main_process:
+        log.info("%s", device_line(cfg, accelerator, probe, why, ds))
+    return accelerator
+
+
+def device_line(cfg: Config, accelerator: Any, probe: CudaProbe, why: str, ds: dict[str, Any] | None) -> str:
+    """The run's one start-up line: device, backend, world and nodes, precision, torch and driver."""
+    world = accelerator.num_processes
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    nodes = -(-world // local) if local else int(os.environ.get("SLURM_JOB_NUM_NODES", "1") or 1)
+    backend = torch.distributed.get_backend() if dist.is_dist() else "none (one process)"
+    d = accelerator.device
+    if d.type == "cuda":
+        name = probe.device_names[d.index or 0] if len(probe.device_names) > (d.index or 0) else "GPU"
+        bf16 = "yes" if probe.bf16 else "no"
+        tf32 = "on" if torch.backends.cuda.matmul.allow_tf32 else "off"
+        where = f"device {d} ({name}, bf16 {bf16}, TF32 matmul {tf32})"
+    else:
+        where = f"device {d} ({why})"
+    precision = cfg.train.mixed_precision if cfg.train.mixed_precision != "no" else "fp32"
+    if ds is not None:
+        enabled = [k for k in ("bf16", "fp16") if isinstance(ds.get(k), dict) and ds[k].get("enabled")]
+        half = enabled[0] if enabled else None
+        stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+        precision += f", DeepSpeed ZeRO-{stage} {half or 'fp32'}"
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
+    driver = (
+        f"driver {probe.driver_version or '?'} (CUDA {probe.driver_cuda or '?'})"
+        if probe.driver_version or probe.driver_cuda
+        else "no NVIDIA driver"
+    )
+    return (
+        f"start: {where}, backend {backend}, {world} process{'es' if world > 1 else ''} on {nodes} "
+        f"node{'s' if nodes > 1 else ''}, precision {precision}, torch {torch.__version__} ({build}), "
+        f"{driver}, collective timeout {cfg.train.collective_timeout:g} s"
     )
 
 

@@ -280,7 +280,19 @@ class TrainConfig:
         0, "GradCache: encode the batch in chunks of this many sequences (0 = one forward for the batch)."
     )
     seed: int = option(42, "Seed of the model init, the data order and the dropout streams.")
-    cpu: bool = option(False, "Force CPU even when a GPU is present (CI, tests).")
+    device: Literal["auto", "cuda", "cpu"] = option(
+        "auto",
+        "Where to train: cuda (fail in seconds, saying why, when torch sees no GPU), cpu, or auto: the "
+        "GPUs if torch sees any; none while the job was given GPUs (SLURM_*GPUS*, CUDA_VISIBLE_DEVICES) "
+        "fails like cuda; none and none given trains on CPU and says so in the start-up line.",
+    )
+    cpu: bool = option(False, "Deprecated: the same as train.device=cpu.")
+    collective_timeout: float = option(
+        600.0,
+        "Seconds a collective (gloo, NCCL, DeepSpeed) may wait for the other ranks; after that every "
+        "waiting rank exits with status 76 and one line naming the collective and the silent ranks. "
+        "Must exceed the longest time one rank works alone (rank 0's evaluation, a checkpoint write).",
+    )
     deepspeed_config: Path | None = option(
         None, "DeepSpeed JSON (launch/deepspeed/zero2.json) to train with ZeRO."
     )
@@ -315,6 +327,12 @@ class TrainConfig:
             )
         if self.max_steps < 0 or self.epochs < 1:
             raise ConfigError("train.max_steps must be >= 0 and train.epochs >= 1")
+        if self.cpu:  # the deprecated flag, read as device=cpu
+            if self.device == "cuda":
+                raise ConfigError("train.cpu=true contradicts train.device=cuda; drop train.cpu (deprecated)")
+            self.device = "cpu"
+        if self.collective_timeout <= 0:
+            raise ConfigError("train.collective_timeout must be > 0 seconds (e.g. 600)")
         if self.gradcache_chunk_size < 0 or self.log_every < 1 or self.eval_every < 0:
             raise ConfigError("train.gradcache_chunk_size/eval_every must be >= 0 and log_every >= 1")
 

@@ -26,7 +26,7 @@ import torch
 
 from pipeline import distributed
 
-__all__ = ["EXIT_CODE_PREEMPTED", "CheckpointPolicy", "PreemptionHandler"]
+__all__ = ["EXIT_CODE_COLLECTIVE_TIMEOUT", "EXIT_CODE_PREEMPTED", "CheckpointPolicy", "PreemptionHandler"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 # restarted. Not 143 (128 + SIGTERM), which a shell also reports for a process killed by SIGTERM
 # without saving anything, and not 124, which `timeout` uses.
 EXIT_CODE_PREEMPTED = 75
+# A collective did not complete within train.collective_timeout (or lost its peer): another rank is
+# hung, stopped, dead or cut off. Every surviving rank exits with this status and one line starting
+# "collective timeout:" (pipeline/train/hangs.py) that names the collective and the silent rank(s).
+# Nothing was saved at that moment; a requeue resumes from the newest checkpoint.
+EXIT_CODE_COLLECTIVE_TIMEOUT = 76
 DEFAULT_SIGNALS = distributed.PREEMPTION_SIGNALS
 
 
