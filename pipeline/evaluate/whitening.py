@@ -2,7 +2,18 @@
 Retrieval"): map embeddings to zero mean and identity covariance, optionally keeping the first
 ``dim`` principal directions, which also reduces the dimension.
 
-``x_white = (x - mu) @ W`` with ``W = U[:, :dim] / sqrt(S[:dim])`` from the SVD of the covariance.
+``x_white = (x - mu) @ W`` with ``W = U[:, :dim] / sqrt(max(S[:dim], floor * S[0]))`` from the SVD of
+the covariance.
+
+The eigenvalue floor (``EIGENVALUE_FLOOR``, relative to the largest eigenvalue) is the conditioning:
+full-rank whitening divides by the square root of the smallest eigenvalue, and a near-null direction
+(a few hundred sentences for a few hundred dimensions, or an anisotropic encoder) then turns float32
+rounding noise in the input into a whole output component. With the floor, no direction is scaled by
+more than ``1 / sqrt(floor * S[0])``: the largest singular value of W, so a perturbation d of the input
+moves the whitened vector by at most ``|d| / sqrt(floor * S[0])`` and the condition number of W is at
+most ``floor ** -0.5`` (316 for 1e-5). Directions above the floor are whitened exactly; those below it
+keep their variance ratio to the floor instead of being blown up to unit variance (the ZCA/PCA
+"epsilon" regularisation, relative so that it does not depend on the embeddings' scale).
 Shared by evaluation (whitened Spearman) and search (dimension reduction stored with an index).
 """
 
@@ -13,11 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
+EIGENVALUE_FLOOR = 1e-5  # relative to the largest eigenvalue: W's condition number <= 1e-5 ** -0.5 = 316
+
 
 @dataclass
 class Whitening:
     mean: np.ndarray  # (H,)
     matrix: np.ndarray  # (H, dim)
+    floored: int = 0  # kept directions whose eigenvalue was raised to the floor (0 after load)
+    floor: float = 0.0  # the absolute eigenvalue floor used (EIGENVALUE_FLOOR * largest eigenvalue)
 
     @property
     def dim(self) -> int:
@@ -38,8 +53,14 @@ class Whitening:
             return cls(mean=data["mean"], matrix=data["matrix"])
 
 
-def fit_whitening(x: np.ndarray, dim: int | None = None, eps: float = 1e-8) -> Whitening:
-    """Fit on embeddings ``x`` (N, H); ``dim`` keeps the top principal directions (None: all)."""
+def fit_whitening(
+    x: np.ndarray, dim: int | None = None, eps: float = 1e-8, eigenvalue_floor: float = EIGENVALUE_FLOOR
+) -> Whitening:
+    """Fit on embeddings ``x`` (N, H); ``dim`` keeps the top principal directions (None: all).
+
+    Eigenvalues below ``eigenvalue_floor`` times the largest are raised to it (see the module docstring);
+    ``eps`` is the absolute floor for embeddings without variance.
+    """
     x = np.asarray(x, dtype=np.float64)
     if x.ndim != 2 or x.shape[0] < 2:
         raise ValueError(f"whitening needs at least 2 embeddings of shape (N, H), got {x.shape}")
@@ -49,8 +70,10 @@ def fit_whitening(x: np.ndarray, dim: int | None = None, eps: float = 1e-8) -> W
     mean = x.mean(axis=0)
     cov = np.cov((x - mean).T)  # (H, H)
     u, s, _ = np.linalg.svd(cov)
-    matrix = u[:, :dim] / np.sqrt(s[:dim] + eps)
-    return Whitening(mean=mean.astype(np.float32), matrix=matrix.astype(np.float32))
+    floor = max(eigenvalue_floor * float(s[0]), eps)
+    matrix = u[:, :dim] / np.sqrt(np.maximum(s[:dim], floor))
+    return Whitening(mean=mean.astype(np.float32), matrix=matrix.astype(np.float32),
+                     floored=int((s[:dim] < floor).sum()), floor=floor)  # fmt: skip
 
 
 def as_linear(whitening: Whitening):
