@@ -46,6 +46,9 @@ COMMANDS: dict[str, Command] = {
         "pipeline.stages.augment.vector_synonyms", "word vectors -> faiss synonym cache (Parquet)"
     ),
     "train": Command("pipeline.train.run", "contrastive pretraining (same as launch/pretrain.py)"),
+    "doctor": Command(
+        "pipeline.doctor", "check the environment before training: GPUs, driver, NCCL, run dir, rendezvous"
+    ),
     "eval": Command("pipeline.evaluate.run", "evaluate a model or checkpoint on the STS suite", "model"),
     "finetune": Command(
         "pipeline.finetune.run", "fine-tuning evaluation: TrainBERT / FreezeBERT, 3 seeds", "model"

@@ -78,6 +78,7 @@ class CudaProbe:
     device_files: tuple[str, ...] = ()  # /dev/nvidia0, /dev/nvidia1, ... (not nvidiactl, nvidia-uvm)
     visible_devices: str | None = None  # CUDA_VISIBLE_DEVICES as set, None if unset
     init_error: str | None = None  # torch's CUDA initialisation warning, if it gave one
+    nccl_version: str | None = None  # torch.cuda.nccl.version(), read when a GPU is available
     hostname: str = field(default_factory=socket.gethostname)
 
 
@@ -125,6 +126,14 @@ def _nvidia_smi(args: list[str]) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
+def _nccl_version() -> str | None:
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # a wheel without NCCL, or a library that does not load
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
 def probe_cuda(env: Mapping[str, str] | None = None) -> CudaProbe:
     """Read torch's build, the driver and the GPUs of this process (never raises; a second or less)."""
     env = os.environ if env is None else env
@@ -135,11 +144,12 @@ def probe_cuda(env: Mapping[str, str] | None = None) -> CudaProbe:
     files = tuple(sorted(f for f in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", f)))
     has_driver = bool(files) or os.path.exists("/proc/driver/nvidia/version")
     names: tuple[str, ...] = ()
-    count, bf16 = 0, None
+    count, bf16, nccl = 0, None, None
     if available:
         count = torch.cuda.device_count()
         names = tuple(torch.cuda.get_device_name(i) for i in range(count))
         bf16 = bool(torch.cuda.is_bf16_supported())
+        nccl = _nccl_version()
     return CudaProbe(
         torch_version=torch.__version__,
         torch_cuda=torch.version.cuda,
@@ -152,6 +162,7 @@ def probe_cuda(env: Mapping[str, str] | None = None) -> CudaProbe:
         device_files=files,
         visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
         init_error=init_error,
+        nccl_version=nccl,
     )
 
 

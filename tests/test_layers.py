@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("pipeline.stages.teacher",),  # the teacher stage (encodes, mines)
     ("pipeline.train",),  # the trainer
-    ("pipeline.shards_command", "pipeline.cli"),  # commands
+    ("pipeline.shards_command", "pipeline.cli", "pipeline.doctor"),  # commands
     ("pipeline.__main__",),  # `python -m pipeline`
 ]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
