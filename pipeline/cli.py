@@ -34,6 +34,7 @@ COMMANDS: dict[str, Command] = {
     "preprocess": Command(
         "pipeline.stages.preprocess.run", "raw corpus -> deduplicated, shuffled shards", "inputs"
     ),
+    "pairs": Command("pipeline.stages.pairs.run", "raw corpus -> shards of the pairs records give", "inputs"),
     "augment": Command("pipeline.stages.augment.run", "shards -> shards with cached EDA variants"),
     "teacher": Command(
         "pipeline.stages.teacher.run", "shards -> shards with teacher embeddings (+ mined hard negatives)"

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
         "pipeline.similarity",
         "pipeline.finetune",
         "pipeline.stages.fetch",
+        "pipeline.stages.pairs",
     ),
     ("pipeline.stages.teacher",),  # the teacher stage (encodes, mines)
     ("pipeline.train",),  # the trainer

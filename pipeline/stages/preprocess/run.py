@@ -414,13 +414,14 @@ def _partition_rows(cfg: Config, plan: Plan, drops: list[np.ndarray] | None) -> 
 
 
 def _shard_ranges(
-    cfg: Config, plan: Plan, drops: list[np.ndarray] | None = None
+    cfg: Config, plan: Plan, drops: list[np.ndarray] | None = None, per_shard: int | None = None
 ) -> list[list[tuple[str, int, int]]]:
-    """For each output shard, the (partition file, first row, end row) pieces it is cut from."""
+    """For each output shard, the (partition file, first row, end row) pieces it is cut from
+    (``per_shard`` rows each; default ``cfg.sentences_per_shard``; the pairs stage passes its own)."""
     paths = [passes.dedup_paths(cfg.work, p) for p in range(plan.num_partitions)]
     rows = _partition_rows(cfg, plan, drops)
     total = sum(rows)
-    size = cfg.sentences_per_shard
+    size = per_shard or cfg.sentences_per_shard
     ranges: list[list[tuple[str, int, int]]] = [[] for _ in range(math.ceil(total / size))]
     offset = 0
     for (arrow, _), count in zip(paths, rows, strict=True):

@@ -16,6 +16,10 @@ Refreshing the negatives during a long run: rerun this stage on the same input w
 the latest checkpoint's ``model/`` folder (any checkpoint or run directory also resolves) and a new
 ``--out``; point ``data.shards`` and ``data.teacher`` of the next epoch's run at it (docs/teacher.md).
 
+Given pair shards (`pipeline pairs`), the stage embeds both sides (`teacher`, `teacher_positive`) and
+scores each pair against a pool of other positives (:mod:`pipeline.stages.teacher.consistency`:
+`pair_rank`, `pair_cosine`, `pair_pool`), keeping those in the top `--pair-top-k` (0 keeps all).
+
 Given a float16 teacher shard set as ``--shards`` with ``--dtype int8``, the stage converts it instead:
 the same shards with int8 vectors, every other column as it was, no model loaded (:func:`convert_shard`).
 """
@@ -60,6 +64,7 @@ from pipeline.stages.runner import (
     remove_stale_temps,
     shard_index,
 )
+from pipeline.stages.teacher.consistency import pair_scores
 from pipeline.stages.teacher.identity import matches, model_hash, stored_dtype
 from pipeline.vectors import DTYPES, block_teacher, encode_vectors, teacher_matrix, variant_columns
 
@@ -107,6 +112,14 @@ class Config(Execution):
     hn_index: Literal["flat", "ivf", "hnsw"] = option(
         "flat", "faiss index over the teacher vectors: flat (exact), ivf or hnsw (large corpora)."
     )
+    pair_top_k: int = option(
+        0,
+        "Pair shards (`pipeline pairs`): keep a pair when its partner ranks in the teacher's top k of its "
+        "pool (e5/nomic keep 2); 0 keeps every pair and only stores the scores (consistency.py).",
+    )
+    pair_pool: int = option(
+        64, "Pair shards: candidates per pool (the partner + other positives of its source in the shard)."
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -124,6 +137,16 @@ class Config(Execution):
             raise ConfigError(
                 f"--hn-depth ({self.hn_depth}) must exceed --hard-negatives ({self.hard_negatives}): the "
                 "sentence itself and filtered neighbours take places; try 4x K or more"
+            )
+        if self.pair_top_k < 0 or self.pair_pool < 2:
+            raise ConfigError(
+                f"--pair-top-k must be >= 0 (0 = keep all) and --pair-pool >= 2, got {self.pair_top_k} "
+                f"and {self.pair_pool}"
+            )
+        if self.pair_top_k >= self.pair_pool:
+            raise ConfigError(
+                f"--pair-top-k ({self.pair_top_k}) must be below --pair-pool ({self.pair_pool}): every "
+                "pair would pass"
             )
         if not -1.0 <= self.hn_min_similarity < self.hn_max_similarity <= 1.0:
             raise ConfigError(
@@ -228,6 +251,16 @@ def encode_shard(job: ShardJob, encoder: Any, cfg: Config, precision: Precision,
     log.info("%s: %d sentences in %.1f s (%.1f sentences/s, %s)", job.entry["name"], len(texts), seconds,
              len(texts) / max(seconds, 1e-9), precision)  # fmt: skip
     counts = {"sentences": len(texts), "variants_encoded": 0}
+    pairs = "positive" in blocks[0].column_names  # a pair shard: both sides, scores, the filter
+    keep = np.ones(len(texts), dtype=bool)
+    if pairs:
+        positives = [t for b in blocks for t in b.column("positive").to_pylist()]
+        positive_vectors = encode_texts(encoder, positives, cfg.batch_size, precision, report)
+        sources = [t for b in blocks for t in b.column("source").to_pylist()]
+        groups = np.concatenate([b.column("group").to_numpy() for b in blocks])
+        scores = pair_scores(vectors, positive_vectors, sources, groups, cfg.pair_pool)
+        keep = scores.keep(cfg.pair_top_k)
+        counts.update(pair_counts(sources, keep))
     if cfg.variants:
         nested = [v for b in blocks for v in b.column("variants").to_pylist()]
         flat = [v for vs in nested for v in vs]
@@ -239,6 +272,25 @@ def encode_shard(job: ShardJob, encoder: Any, cfg: Config, precision: Precision,
         row = 0
         for block in blocks:
             lo, hi = row, row + block.num_rows
+            row = hi
+            if pairs:  # the filter's survivors, with their scores and the partner's vector
+                mask = keep[lo:hi]
+                if not mask.any():
+                    continue
+                block = block.filter(pa.array(mask))
+                for name, values in (("rank", scores.rank), ("cosine", scores.cosine), ("pool", scores.pool)):
+                    block = append(block, f"pair_{name}", pa.array(values[lo:hi][mask]))
+                lo_vectors = vectors[lo:hi][mask]
+                column, scale = encode_vectors(lo_vectors, cfg.dtype)
+                block = append(block, "teacher", column)
+                if scale is not None:
+                    block = append(block, "teacher_scale", scale)
+                column, scale = encode_vectors(positive_vectors[lo:hi][mask], cfg.dtype)
+                block = append(block, "teacher_positive", column)
+                if scale is not None:
+                    block = append(block, "teacher_positive_scale", scale)
+                yield block
+                continue
             column, scale = encode_vectors(vectors[lo:hi], cfg.dtype)
             block = append(block, "teacher", column)
             if scale is not None:
@@ -247,13 +299,27 @@ def encode_shard(job: ShardJob, encoder: Any, cfg: Config, precision: Precision,
                 o = offsets[lo : hi + 1]
                 for name, column in variant_columns(variant_vectors[o[0] : o[-1]], o - o[0], cfg.dtype):
                     block = append(block, name, column)
-            row = hi
             yield block
 
     entry = write_shard(job.out_dir / job.entry["name"], out_blocks(), job.shard_index)
     record = {"entry": entry, "counts": counts}
     atomic_write_json(record_path(job.record_dir, job.entry["name"]), record)  # after the shard: it is done
     return record
+
+
+def pair_counts(sources: list[str], keep: np.ndarray) -> dict[str, Any]:
+    """A pair shard's record counts: pairs scored and dropped by the filter, in all and per source."""
+    by_source: dict[str, list[int]] = {}
+    for source, kept in zip(sources, keep.tolist(), strict=True):
+        by_source.setdefault(source, [0, 0])[0 if kept else 1] += 1
+    return {
+        "positives_encoded": len(sources),
+        "pairs_kept": int(keep.sum()),
+        "pairs_dropped_consistency": int((~keep).sum()),
+        "pairs_by_source": {
+            s: {"kept": k, "dropped_consistency": d} for s, (k, d) in sorted(by_source.items())
+        },
+    }
 
 
 def append(block: pa.Table, name: str, column: pa.Array) -> pa.Table:
@@ -354,11 +420,22 @@ def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, An
     records = finished_records(cfg.out, record_dir, shard_dir, names, cfg.finalize_only, "teacher")
     if records is None:
         return (cfg.out / MANIFEST).is_file()
-    counts = {"sentences": 0, "variants_encoded": 0}
+    counts: dict[str, Any] = {"sentences": 0, "variants_encoded": 0}
+    if in_manifest.get("stage") == "pairs":
+        counts.update(positives_encoded=0, pairs_kept=0, pairs_dropped_consistency=0, pairs_by_source={})
     for r in records:
         for key in counts:
-            counts[key] += r["counts"][key]
+            if key == "pairs_by_source":
+                for source, c in r["counts"][key].items():
+                    total = counts[key].setdefault(source, {"kept": 0, "dropped_consistency": 0})
+                    for name, n in c.items():
+                        total[name] += n
+            else:
+                counts[key] += r["counts"][key]
     extra: dict[str, Any] = {}
+    if in_manifest.get("stage") == "pairs":
+        extra["input_stage"] = "pairs"
+        extra["pair_filter"] = {"k": cfg.pair_top_k, "pool": cfg.pair_pool, "rule": "teacher/consistency.py"}
     entries = [r["entry"] for r in records]
     if in_manifest.get("stage") == "teacher":  # a conversion: the input's negatives, as they were
         extra["input_stage"] = "teacher"
@@ -417,10 +494,15 @@ def conversion_record(cfg: Config, in_manifest: dict[str, Any]) -> dict[str, Any
 def run(cfg: Config) -> int:
     in_manifest = read_manifest(cfg.shards)
     stage = in_manifest.get("stage")
-    if stage not in ("augment", "preprocess", "teacher"):
+    if stage not in ("augment", "preprocess", "pairs", "teacher"):
         raise InputError(
             f"{cfg.shards / MANIFEST} was written by stage {stage!r}; the teacher stage reads the output "
-            "of `augment` (or `preprocess`), or converts a `teacher` output to --dtype int8"
+            "of `augment` (or `preprocess`, or `pairs`), or converts a `teacher` output to --dtype int8"
+        )
+    if stage == "pairs" and (cfg.variants or cfg.hard_negatives):
+        raise ConfigError(
+            f"--variants/--hard-negatives: {cfg.shards} holds pairs (stage pairs); their negatives are the "
+            "other pairs of a batch, so leave both off"
         )
     if stage != "teacher" and not cfg.model:
         raise ConfigError("usage: python -m pipeline teacher --shards IN --out OUT --model TEACHER")

@@ -1,0 +1,1 @@
+"""``python -m pipeline pairs``: raw corpus files -> shards of the pairs their records' structure gives."""

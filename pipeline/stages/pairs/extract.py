@@ -1,0 +1,280 @@
+"""What each record of the five collections gives as (anchor, positive) pairs, and the pair-level rules.
+
+Per collection (fields as the corpora ship them; ``group`` = the record's id, ``batch key`` = the field
+a source-homogeneous batcher may group by):
+
+==================  ====================================================  ============  ============
+collection          pairs (kind: anchor <-> positive)                      group         batch key
+==================  ====================================================  ============  ============
+webtext2019zh       question-answer: title (+ desc) <-> content            qid           topic
+baike2018qa         question-answer: title <-> answer;                     qid           category
+                    question-desc: title <-> desc
+news2016zh          title-desc: title <-> desc;                            news_id       source
+                    title-lead: title <-> lead sentences of content
+wiki_zh             title-paragraph: title <-> first paragraph of text     id            (none)
+translation2019zh   zh-en: chinese <-> english                             chinese text  (none)
+plain (optional)    neighbour: a sentence <-> the next one in its line     the line      (none)
+==================  ====================================================  ============  ============
+
+Every field goes through preprocess's cleaning (``Cleaner``: markup, normalisation, whitespace) and
+sentence splitting (``split_sentences``). A positive is cut to whole leading sentences within its
+budget (``lead_chars`` for news leads and wiki paragraphs, ``max_positive_chars`` for answers and
+descriptions): it never ends mid-sentence, and a first sentence longer than the budget makes the pair
+``too_long``. webtext2019zh's ``content`` is cut at a fixed length in the corpus: its unterminated last
+sentence is dropped, as preprocess does.
+
+The "too easy" rule (:func:`too_easy`), on the ``normalize_text`` forms of the two sides: a pair is too
+easy when the shorter side is a prefix of the longer one and at least ``easy_prefix_ratio`` of its
+length (a news ``desc`` equal to or cut from its title), or when the character-3-gram Jaccard
+similarity of the two sides is at least ``easy_jaccard`` (computed only when the shorter side is at
+least ``easy_jaccard`` of the longer: a Jaccard can never exceed that ratio). A short title at the
+start of a long body (wiki_zh's "经济学" <-> "经济学是一门…") is not too easy: it is how those records
+are written. ``sibling_duplicate``: news2016zh's desc is usually the first sentences of its content,
+cut at a fixed length; a title <-> desc pair whose desc (less its unterminated tail) is a prefix of
+the record's lead, or too easy against it, is dropped: the title <-> lead pair says the same in whole
+sentences.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.normalize import normalize_text
+from pipeline.stages.preprocess.text import Cleaner, ends_sentence, remove_whitespace, split_sentences
+
+KINDS = (
+    "question-answer",
+    "question-desc",
+    "title-desc",
+    "title-lead",
+    "title-paragraph",
+    "zh-en",
+    "neighbour",
+)
+GROUP_FIELD = {"webtext2019zh": "qid", "baike2018qa": "qid", "news2016zh": "news_id", "wiki_zh": "id"}
+BATCH_KEY_FIELD = {"webtext2019zh": "topic", "baike2018qa": "category", "news2016zh": "source"}
+RAW_SLACK = 3  # a field is cut to RAW_SLACK x its budget (+ 64) characters before cleaning: speed
+
+
+@dataclass(frozen=True)
+class PairRules:
+    """The per-pair limits and rules (small and picklable: travels to the workers)."""
+
+    min_anchor_chars: int = 2
+    max_anchor_chars: int = 128
+    min_positive_chars: int = 5
+    max_positive_chars: int = 384
+    lead_chars: int = 256
+    min_cjk_ratio: float = 0.5
+    easy_prefix_ratio: float = 0.5
+    easy_jaccard: float = 0.6
+    plain_neighbours: bool = False
+    to_simplified: bool = False
+
+
+@dataclass
+class Candidate:
+    """One extracted pair before the length, CJK, too-easy and dedup rules."""
+
+    kind: str
+    anchor: str
+    positive: str
+    group: int
+    batch_key: str
+    latin_positive: bool = False  # translation2019zh's English side: no CJK share asked of it
+    positive_key: str | None = None  # key_text(positive) when the extractor already computed it
+
+
+def group_id(source: str, record_id: str) -> int:
+    """A stable 64-bit group id: blake2b of ``source`` and the record's id."""
+    digest = hashlib.blake2b(f"{source}\x1f{record_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+# --------------------------------------------------------------------------------------------- keys
+_DROP_BMP: re.Pattern | None = None
+_ASTRAL = re.compile("[\U00010000-\U0010ffff]")
+
+
+def _drop_bmp() -> re.Pattern:
+    """One regex class of the BMP code points of Unicode categories P*, Z* and C* (built once, 20 ms;
+    a class with the astral ranges too falls off re's fast path and is 20x slower)."""
+    global _DROP_BMP
+    if _DROP_BMP is None:
+        ranges: list[tuple[int, int]] = []
+        for cp in range(0x10000):
+            if unicodedata.category(chr(cp))[0] in "PZC":
+                if ranges and ranges[-1][1] == cp - 1:
+                    ranges[-1] = (ranges[-1][0], cp)
+                else:
+                    ranges.append((cp, cp))
+        parts = [re.escape(chr(lo)) + ("" if lo == hi else "-" + re.escape(chr(hi))) for lo, hi in ranges]
+        _DROP_BMP = re.compile("[" + "".join(parts) + "]+")
+    return _DROP_BMP
+
+
+def key_text(text: str) -> str:
+    """``pipeline.normalize.normalize_text`` (NFKC, case-folded, no whitespace or punctuation), faster:
+    NFKC only when the quick check says the text needs it, the character filter as one regex over
+    the BMP; a text with astral characters goes to ``normalize_text`` itself. The same string
+    (tests/test_pairs_stage.py checks), about 8x faster on news text."""
+    if _ASTRAL.search(text) is not None:
+        return normalize_text(text)
+    if not unicodedata.is_normalized("NFKC", text):
+        text = unicodedata.normalize("NFKC", text)
+    return _drop_bmp().sub("", text.casefold())
+
+
+def pair_id(anchor_key: str, positive_key: str) -> int:
+    """The pair's 64-bit id: blake2b of the two ``key_text`` forms (the exact-dedup key)."""
+    digest = hashlib.blake2b(f"{anchor_key}\x1f{positive_key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _shingles(text: str, n: int = 3) -> set[str]:
+    return {text[i : i + n] for i in range(max(1, len(text) - n + 1))}
+
+
+def too_easy(a: str, b: str, prefix_ratio: float, jaccard: float) -> bool:
+    """The "too easy" rule on two ``key_text`` forms (module docstring)."""
+    short, long = (a, b) if len(a) <= len(b) else (b, a)
+    if not short:
+        return True
+    if long.startswith(short) and len(short) >= prefix_ratio * len(long):
+        return True
+    if len(short) < jaccard * len(long):
+        return False
+    sa, sb = _shingles(a), _shingles(b)
+    return len(sa & sb) >= jaccard * len(sa | sb)
+
+
+# --------------------------------------------------------------------------------------------- fields
+def clean_text(cleaner: Cleaner, value: str) -> str:
+    """One field value -> one cleaned line (paragraphs joined; whitespace rules of preprocess)."""
+    paragraphs = cleaner.paragraphs(value)
+    if len(paragraphs) <= 1:
+        return paragraphs[0] if paragraphs else ""
+    return remove_whitespace(" ".join(paragraphs))
+
+
+def lead(
+    cleaner: Cleaner, value: str, budget: int, first_paragraph: bool = False, cut_tail: bool = False
+) -> tuple[str, bool]:
+    """The whole leading sentences of a field within ``budget`` characters, and whether any was
+    left out. A first sentence over the budget is returned whole (the length rule drops the pair).
+    ``cut_tail``: the field was cut at a fixed length in the corpus, its unterminated last sentence
+    goes."""
+    raw_cut = len(value) > RAW_SLACK * budget + 64
+    if raw_cut:
+        value = value[: RAW_SLACK * budget + 64]
+    paragraphs = cleaner.paragraphs(value)
+    if first_paragraph:
+        paragraphs = paragraphs[:1]
+    sentences = [s for p in paragraphs for s in split_sentences(p)]
+    if (raw_cut or cut_tail) and len(sentences) > 1 and not ends_sentence(sentences[-1]):
+        sentences.pop()  # cut by us (or by the corpus) mid-sentence
+    out: list[str] = []
+    total = 0
+    for sentence in sentences:
+        if out and total + len(sentence) > budget:
+            return "".join(out), True
+        out.append(sentence)
+        total += len(sentence)
+    return "".join(out), raw_cut
+
+
+def _string(obj: dict[str, Any], name: str) -> str:
+    value = obj.get(name)
+    return value if isinstance(value, str) else ("" if value is None else str(value))
+
+
+# --------------------------------------------------------------------------------------------- records
+Extractor = Callable[[dict[str, Any], Cleaner, PairRules, Any], list[Candidate]]
+
+
+def _webtext(obj: dict[str, Any], cleaner: Cleaner, rules: PairRules, note: Any) -> list[Candidate]:
+    title = clean_text(cleaner, _string(obj, "title"))
+    desc = clean_text(cleaner, _string(obj, "desc"))
+    anchor = title
+    if desc and key_text(desc) not in key_text(title):
+        joined = remove_whitespace(f"{title} {desc}") if title else desc
+        if len(joined) <= rules.max_anchor_chars:  # else the title alone: a long desc keeps the pair
+            anchor = joined
+    answer, _ = lead(cleaner, _string(obj, "content"), rules.max_positive_chars, cut_tail=True)
+    group = group_id("webtext2019zh", _string(obj, "qid"))
+    return [Candidate("question-answer", anchor, answer, group, _string(obj, "topic"))]
+
+
+def _baike(obj: dict[str, Any], cleaner: Cleaner, rules: PairRules, note: Any) -> list[Candidate]:
+    title = clean_text(cleaner, _string(obj, "title"))
+    group, key = group_id("baike2018qa", _string(obj, "qid")), _string(obj, "category")
+    answer, _ = lead(cleaner, _string(obj, "answer"), rules.max_positive_chars)
+    out = [Candidate("question-answer", title, answer, group, key)]
+    if _string(obj, "desc").strip():
+        desc, _ = lead(cleaner, _string(obj, "desc"), rules.max_positive_chars)
+        out.append(Candidate("question-desc", title, desc, group, key))
+    return out
+
+
+def _news(obj: dict[str, Any], cleaner: Cleaner, rules: PairRules, note: Any) -> list[Candidate]:
+    title = clean_text(cleaner, _string(obj, "title"))
+    group, key = group_id("news2016zh", _string(obj, "news_id")), _string(obj, "source")
+    out = []
+    body, _ = lead(cleaner, _string(obj, "content"), rules.lead_chars)
+    if _string(obj, "desc").strip():
+        # desc is cut at a fixed length in the corpus: its unterminated tail goes, as content's would
+        desc, _ = lead(cleaner, _string(obj, "desc"), rules.max_positive_chars, cut_tail=True)
+        d, b = key_text(desc), key_text(body)
+        if body and (b.startswith(d) or too_easy(d, b, rules.easy_prefix_ratio, rules.easy_jaccard)):
+            note("sibling_duplicate", desc)  # the lead says it too, in whole sentences
+        else:
+            out.append(Candidate("title-desc", title, desc, group, key, positive_key=d))
+        out.append(Candidate("title-lead", title, body, group, key, positive_key=b))
+    else:
+        out.append(Candidate("title-lead", title, body, group, key))
+    return out
+
+
+def _wiki(obj: dict[str, Any], cleaner: Cleaner, rules: PairRules, note: Any) -> list[Candidate]:
+    title = _string(obj, "title")
+    text = _string(obj, "text")
+    if title.strip() and text.startswith(title) and text[len(title) : len(title) + 1] in ("\n", ""):
+        text = text[len(title) :]  # the article's title line (preprocess's ``title``)
+    paragraph, _ = lead(cleaner, text, rules.lead_chars, first_paragraph=True)
+    anchor = clean_text(cleaner, title)
+    return [Candidate("title-paragraph", anchor, paragraph, group_id("wiki_zh", _string(obj, "id")), "")]
+
+
+def _translation(obj: dict[str, Any], cleaner: Cleaner, rules: PairRules, note: Any) -> list[Candidate]:
+    chinese = clean_text(cleaner, _string(obj, "chinese"))
+    english = clean_text(cleaner, _string(obj, "english"))
+    return [Candidate("zh-en", chinese, english, group_id("translation2019zh", chinese), "", True)]
+
+
+EXTRACTORS: dict[str, Extractor] = {
+    "webtext2019zh": _webtext,
+    "baike2018qa": _baike,
+    "news2016zh": _news,
+    "wiki_zh": _wiki,
+    "translation2019zh": _translation,
+}
+# the fields a record must have (as strings or numbers) to give any pair
+REQUIRED = {
+    "webtext2019zh": ("title", "content"),
+    "baike2018qa": ("title", "answer"),
+    "news2016zh": ("title",),
+    "wiki_zh": ("title", "text"),
+    "translation2019zh": ("chinese", "english"),
+}
+
+
+def plain_pairs(line: str, cleaner: Cleaner, rules: PairRules) -> list[Candidate]:
+    """Neighbouring sentences of one plain-text line (one paragraph or document)."""
+    sentences = [s for p in cleaner.paragraphs(line) for s in split_sentences(p)]
+    group = group_id("plain", line)
+    return [Candidate("neighbour", a, b, group, "") for a, b in zip(sentences, sentences[1:], strict=False)]

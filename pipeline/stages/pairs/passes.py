@@ -1,0 +1,410 @@
+"""The three parallel passes of the pairs stage: preprocess's passes (``preprocess/passes.py``) over pairs.
+
+pass 1, ``split``   one input unit -> records read (preprocess's readers and bad-record audit), pairs
+                    extracted (``extract.py``), cleaned, filtered, hashed and routed by shuffle key into
+                    partitions: ``split/unit-NNNNNN.arrow`` + ``.json``; with near-duplicate removal
+                    also the pairs' (band hash, key) rows, routed into buckets (``.bands.arrow``).
+pass 2, ``dedup``   one partition from every unit -> sorted by (shuffle key, columns), exact duplicates
+                    (same pair key) removed: ``dedup/part-NNNNNN.arrow`` + ``.json``; one piece per
+                    near-duplicate bucket, run by preprocess's own ``near_dup_bucket``.
+pass 3, ``shards``  one output shard = a range of the global order -> ``OUT/shard-NNNNNN.tar`` (block
+                    index beside it) + ``shards/shard-NNNNNN.json`` (its entry and per-source counts).
+
+The exact-dedup key of a pair is its id: blake2b of the ``normalize_text`` forms of anchor and
+positive (``extract.pair_id``), so two pairs that differ only in spacing, width, case or punctuation
+are one pair. A 64-bit collision (about N^2 / 2^65 pairs) also counts as a duplicate. Near duplicates:
+MinHash-LSH over the character shingles of ``anchor_key + "\\x1f" + positive_key``.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.io import atomic_write
+from pipeline.shards import write_shard
+from pipeline.stages.pairs.extract import (
+    EXTRACTORS,
+    REQUIRED,
+    Candidate,
+    PairRules,
+    key_text,
+    pair_id,
+    plain_pairs,
+    too_easy,
+)
+from pipeline.stages.preprocess.neardup import NearDupParams, band_hashes, signatures
+from pipeline.stages.preprocess.passes import (
+    _BAND_SCHEMA,
+    _IPC_OPTIONS,
+    DEDUP_BATCH_ROWS,
+    SAMPLES_PER_RULE,
+    Progress,
+    _BadRecords,
+    _RoutedWriter,
+    bands_path,
+    dedup_paths,
+    partition_of,
+    read_partition,
+    shard_entry_path,
+    shuffle_keys,
+    split_paths,
+    write_json,
+)
+from pipeline.stages.preprocess.readers import Unit, iter_lines
+from pipeline.stages.preprocess.text import Cleaner, filter_sentences
+
+# Columns of a pair shard (shards/README.md): the base columns (text = the anchor) and the pair's own.
+PAIR_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.uint64(), nullable=False),  # the pair id: blake2b of both sides' normalize_text
+        pa.field("text", pa.string(), nullable=False),  # the anchor (title, question, chinese, ...)
+        pa.field("source", pa.string(), nullable=False),  # collection name
+        pa.field("positive", pa.string(), nullable=False),  # its partner (answer, desc, lead, english, ...)
+        pa.field("kind", pa.string(), nullable=False),  # extract.KINDS
+        pa.field("group", pa.uint64(), nullable=False),  # the record's id: pairs of one record share it
+        pa.field("batch_key", pa.string(), nullable=False),  # topic / category / news source, or ""
+    ]
+)
+RECORD_REASONS = ("empty", "invalid_utf8", "bad_json", "missing_field", "too_long_record", "unreadable")
+SIDE_REASONS = ("too_short", "too_long", "low_cjk")
+PAIR_REASONS = (
+    *(f"{side}_{r}" for side in ("anchor", "positive") for r in SIDE_REASONS),
+    "too_easy",
+    "sibling_duplicate",
+    "duplicate",
+    "near_duplicate",
+)
+FLUSH_PAIRS = 1 << 14  # candidates filtered, hashed and routed per batch
+_EXAMPLES = 3
+
+
+@dataclass(frozen=True)
+class PairParams:
+    """What pass 1 needs from the config (small and picklable)."""
+
+    rules: PairRules
+    max_record_bytes: int
+    num_partitions: int
+    seed: int
+    strict: bool
+    neardup: NearDupParams | None = None
+
+
+class _Writer:
+    """Routes one unit's kept pairs into key partitions and, with near-duplicate removal on, their
+    (band hash, key) rows into buckets."""
+
+    def __init__(self, work: Path, index: int, params: PairParams):
+        self.params = params
+        self.pairs = _RoutedWriter(split_paths(work, index)[0], PAIR_SCHEMA)
+        self.bands = _RoutedWriter(bands_path(work, index), _BAND_SCHEMA) if params.neardup else None
+
+    def add(self, columns: dict[str, Any], keys_text: list[str]) -> None:
+        ids = np.array(columns["id"], dtype=np.uint64)
+        keys = shuffle_keys(ids, self.params.seed)
+        parts = partition_of(keys, self.params.num_partitions)
+        table = pa.table({**{n: pa.array(columns[n], PAIR_SCHEMA.field(n).type) for n in PAIR_SCHEMA.names},
+                          "part": parts})  # fmt: skip
+        self.pairs.add(table, 3 * sum(map(len, columns["text"])) + 3 * sum(map(len, columns["positive"])))
+        nd = self.params.neardup
+        if self.bands is not None and nd is not None:
+            hashes = band_hashes(signatures(keys_text, nd, self.params.seed), nd).ravel()
+            buckets = partition_of(hashes, self.params.num_partitions)
+            rows = pa.table({"band": hashes, "key": np.repeat(keys, nd.bands), "part": buckets})
+            self.bands.add(rows, 24 * len(hashes))
+
+    def close(self) -> tuple[dict[str, list[int]], dict[str, list[int]] | None]:
+        batches = self.pairs.close()
+        return batches, self.bands.close() if self.bands is not None else None
+
+    def abort(self) -> None:
+        try:
+            self.pairs.abort()
+        finally:
+            if self.bands is not None:
+                self.bands.abort()
+
+
+class _Samples:
+    """The first few examples per drop reason (anchor and positive, shortened)."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, list[Any]] = {}
+
+    def wants(self, reason: str) -> bool:
+        return len(self.samples.get(reason, ())) < _EXAMPLES
+
+    def add(self, reason: str, example: Any) -> None:
+        if self.wants(reason):
+            self.samples.setdefault(reason, []).append(example)
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 80 else text[:80] + "…"
+
+
+def _filter_and_add(
+    source: str,
+    candidates: list[Candidate],
+    params: PairParams,
+    counts: Counter,
+    writer: _Writer,
+    cleaner: Cleaner,
+    samples: _Samples,
+    progress: Progress,
+) -> None:
+    """The length and CJK rules on each side (preprocess's vectorised ``filter_sentences``), then the
+    too-easy rule; the survivors get their ids and go to the writer."""
+    rules = params.rules
+    anchors = [c.anchor for c in candidates]
+    positives = [c.positive for c in candidates]
+    _, _, a_masks, a_repaired = filter_sentences(
+        anchors, rules.min_anchor_chars, rules.max_anchor_chars, rules.min_cjk_ratio
+    )
+    _, _, p_masks, p_repaired = filter_sentences(
+        positives, rules.min_positive_chars, rules.max_positive_chars, rules.min_cjk_ratio
+    )
+    cleaner.note_repaired(a_repaired + p_repaired)
+    latin = np.array([c.latin_positive for c in candidates], dtype=bool)
+    p_masks["low_cjk"] = p_masks["low_cjk"] & ~latin
+    reason = np.zeros(len(candidates), dtype=np.int8)  # 0 = kept, else 1 + index in PAIR_REASONS
+    for i, name in enumerate(SIDE_REASONS):  # anchor reasons first, then the positive's; first one wins
+        reason[(reason == 0) & a_masks[name]] = 1 + i
+    for i, name in enumerate(SIDE_REASONS):
+        reason[(reason == 0) & p_masks[name]] = 1 + len(SIDE_REASONS) + i
+    easy = 1 + PAIR_REASONS.index("too_easy")
+    columns: dict[str, list[Any]] = {n: [] for n in PAIR_SCHEMA.names}
+    keys_text: list[str] = []
+    for i, c in enumerate(candidates):
+        if reason[i]:
+            continue
+        a_key = key_text(anchors[i])
+        # the extractor's key holds unless the length filter repaired the text (empty brackets)
+        p_key = c.positive_key if c.positive_key is not None and positives[i] == c.positive else None
+        p_key = key_text(positives[i]) if p_key is None else p_key
+        if too_easy(a_key, p_key, rules.easy_prefix_ratio, rules.easy_jaccard):
+            reason[i] = easy
+            continue
+        columns["id"].append(pair_id(a_key, p_key))
+        columns["text"].append(anchors[i])
+        columns["positive"].append(positives[i])
+        columns["kind"].append(c.kind)
+        columns["group"].append(c.group)
+        columns["batch_key"].append(c.batch_key)
+        keys_text.append(f"{a_key}\x1f{p_key}")
+    columns["source"] = [source] * len(columns["id"])
+    for code, n in zip(*np.unique(reason, return_counts=True), strict=True):
+        if code:
+            name = PAIR_REASONS[code - 1]
+            counts[name] += int(n)
+            if samples.wants(name):
+                for i in np.flatnonzero(reason == code)[:_EXAMPLES].tolist():
+                    samples.add(name, {"anchor": _short(anchors[i]), "positive": _short(positives[i])})
+    counts["kept_pass1"] += len(columns["id"])
+    for c, r in zip(candidates, reason.tolist(), strict=True):
+        if not r:
+            counts[f"kind:{c.kind}"] += 1
+    if columns["id"]:
+        writer.add(columns, keys_text)
+    progress(len(candidates))
+
+
+def split_unit(work: Path, index: int, unit: Unit, params: PairParams, progress: Progress) -> dict[str, Any]:
+    """Pass 1 for one unit: read, extract, clean, filter, route into partitions. Returns its counts."""
+    arrow_path, json_path = split_paths(work, index)
+    counts: Counter = Counter()
+    bad = _BadRecords(unit, counts, params.strict)
+    writer = _Writer(work, index, params)
+    cleaner = Cleaner(params.rules.to_simplified)
+    samples = _Samples()
+    try:
+        _read_unit(unit, params, counts, bad, writer, cleaner, samples, progress)
+        batches, band_batches = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    audit = cleaner.audit()
+    audit["samples"].update(samples.samples)
+    result: dict[str, Any] = {
+        "unit": unit.to_dict(),
+        "source": unit.format,
+        "counts": dict(sorted(counts.items())),
+        "batches": batches,
+        "examples": bad.examples,
+        "audit": audit,
+        "bytes": arrow_path.stat().st_size,
+    }
+    if band_batches is not None:
+        result["band_batches"] = band_batches
+        result["extra_bytes"] = {bands_path(work, index).name: bands_path(work, index).stat().st_size}
+    write_json(json_path, result)
+    return result
+
+
+def _read_unit(
+    unit: Unit,
+    params: PairParams,
+    counts: Counter,
+    bad: _BadRecords,
+    writer: _Writer,
+    cleaner: Cleaner,
+    samples: _Samples,
+    progress: Progress,
+) -> None:
+    source = unit.format
+    plain = source == "plain"
+    if plain and not params.rules.plain_neighbours:
+        counts["plain_skipped"] += 1  # a plain-text unit gives no pairs unless --plain_neighbours
+        return
+    extract = None if plain else EXTRACTORS[source]
+    required = () if plain else REQUIRED[source]
+
+    def note(reason: str, text: str) -> None:  # a pair the extractor dropped itself (sibling_duplicate)
+        counts[reason] += 1
+        counts["pairs_extracted"] += 1
+        samples.add(reason, _short(text))
+
+    candidates: list[Candidate] = []
+    number = 0
+    try:
+        for number, line, _ in iter_lines(unit, params.max_record_bytes):
+            counts["records"] += 1
+            if line is None:
+                bad(number, "too_long_record", f"longer than max_record_bytes={params.max_record_bytes}")
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad(number, "invalid_utf8", f"{exc.reason} at byte {exc.start}")
+                continue
+            if text.startswith("\ufeff"):
+                text = text[1:]
+            if not text or text.isspace():
+                counts["empty"] += 1
+                continue
+            if plain:
+                found = plain_pairs(text, cleaner, params.rules)
+            else:
+                try:
+                    obj = json.loads(text)
+                except ValueError as exc:
+                    bad(number, "bad_json", str(exc))
+                    continue
+                if not isinstance(obj, dict):
+                    bad(number, "bad_json", f"a JSON {type(obj).__name__}, not an object")
+                    continue
+                missing = [f for f in required if not isinstance(obj.get(f), str | int)]
+                if missing:
+                    bad(number, "missing_field", f"no string field {', '.join(missing)}")
+                    continue
+                found = extract(obj, cleaner, params.rules, note)
+            if not found:
+                counts["empty"] += 1
+                continue
+            counts["records_with_pairs"] += 1
+            counts["pairs_extracted"] += len(found)
+            candidates += found
+            if len(candidates) >= FLUSH_PAIRS:
+                _filter_and_add(source, candidates, params, counts, writer, cleaner, samples, progress)
+                candidates = []
+    except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
+        bad(number + 1, "unreadable", f"stream cannot be read further ({exc}); later records are lost")
+    if candidates:
+        _filter_and_add(source, candidates, params, counts, writer, cleaner, samples, progress)
+
+
+# --------------------------------------------------------------------------------------------- pass 2
+def dedup_partition(
+    work: Path, part: int, pieces: list[tuple[str, list[int]]], seed: int, progress: Progress
+) -> dict[str, Any]:
+    """Pass 2 for one partition: gather its pairs from every unit, sort, drop exact duplicates (equal
+    ids); the first pair in (key, text, positive, source, kind, group, batch_key) order stays."""
+    arrow_path, json_path = dedup_paths(work, part)
+    tables = []
+    for path, batch_indices in pieces:
+        with pa.OSFile(path) as source_file:
+            reader = pa.ipc.open_file(source_file)
+            tables.append(pa.Table.from_batches([reader.get_batch(i) for i in batch_indices], PAIR_SCHEMA))
+    table = pa.concat_tables(tables).combine_chunks() if tables else PAIR_SCHEMA.empty_table()
+    del tables
+    rows_in = table.num_rows
+    keys = shuffle_keys(table["id"].to_numpy(), seed)
+    sortable = table.append_column("key", pa.array(keys, pa.uint64()))
+    order_keys = [("key", "ascending")] + [(n, "ascending") for n in PAIR_SCHEMA.names if n != "id"]
+    order = pc.sort_indices(sortable, sort_keys=order_keys).to_numpy()
+    del sortable
+    sorted_keys = keys[order]
+    keep = np.r_[True, sorted_keys[1:] != sorted_keys[:-1]] if rows_in else np.zeros(0, bool)
+    dropped = order[~keep]
+    samples = [
+        {"anchor": _short(a), "positive": _short(p)}
+        for a, p in zip(
+            table["text"].take(dropped[:SAMPLES_PER_RULE]).to_pylist(),
+            table["positive"].take(dropped[:SAMPLES_PER_RULE]).to_pylist(),
+            strict=True,
+        )
+    ]
+    sources_in = Counter(table["source"].to_pylist())
+    out = table.take(order[keep])
+    del table
+    unique_by_source = Counter(out["source"].to_pylist())
+
+    def write(tmp: Path) -> None:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, PAIR_SCHEMA, options=_IPC_OPTIONS) as w:
+            w.write_table(out, max_chunksize=DEDUP_BATCH_ROWS)
+
+    atomic_write(arrow_path, write, durable=False)
+    result = {
+        "partition": part,
+        "rows_in": rows_in,
+        "unique": out.num_rows,
+        "duplicate_by_source": {s: n - unique_by_source.get(s, 0) for s, n in sorted(sources_in.items())},
+        "samples": {"duplicate": samples} if samples else {},
+        "bytes": arrow_path.stat().st_size,
+    }
+    write_json(json_path, result)
+    progress(rows_in)
+    return result
+
+
+# --------------------------------------------------------------------------------------------- pass 3
+def write_output_shard(
+    out: Path,
+    work: Path,
+    shard: int,
+    pieces: list[tuple[str, int, int]],
+    rows_per_block: int,
+    drops: list[np.ndarray] | None,
+    seed: int,
+    progress: Progress,
+) -> dict[str, Any]:
+    """Pass 3 for one shard: rows ``[lo, hi)`` of each listed partition (less its near duplicates),
+    in order, cut into blocks of ``rows_per_block``; the entry also counts pairs per source and kind."""
+    from pipeline.shards import shard_name
+
+    tables = []
+    for number, (path, lo, hi) in enumerate(pieces):
+        table = read_partition(path, None if drops is None else drops[number], seed)
+        tables.append(table.slice(lo, hi - lo).combine_chunks())
+    rows = pa.concat_tables(tables) if tables else PAIR_SCHEMA.empty_table()
+    blocks = (
+        rows.take(np.arange(start, min(start + rows_per_block, rows.num_rows))).combine_chunks()
+        for start in range(0, rows.num_rows, rows_per_block)
+    )
+    entry = write_shard(out / shard_name(shard), blocks, shard)
+    by_source = Counter(rows["source"].to_pylist())
+    by_kind = Counter(rows["kind"].to_pylist())
+    meta = {**entry, "by_source": dict(sorted(by_source.items())), "by_kind": dict(sorted(by_kind.items()))}
+    write_json(shard_entry_path(work, shard), meta)
+    progress(entry["sentences"])
+    return meta
