@@ -338,6 +338,7 @@ class BatchStream:
     it runs in the loader workers, so it must be picklable. The cursor advances when the consumer
     takes a batch, so a checkpoint taken between steps records exactly what was used.
     ``bucket_window`` > 0 turns on length bucketing over windows of that many global batches.
+    ``pin_memory``: batches in page-locked memory (a CUDA device), so host-to-device copies are async.
     """
 
     def __init__(
@@ -351,12 +352,14 @@ class BatchStream:
         num_workers: int = 0,
         prefetch_factor: int = 4,
         bucket_window: int = 0,
+        pin_memory: bool = False,
     ):
         if global_batch_size % world_size:
             raise ConfigError(f"global batch {global_batch_size} is not divisible by world size {world_size}")
         self.source, self.collate = source, collate
         self.global_batch, self.rank, self.world = global_batch_size, rank, world_size
         self.seed, self.num_workers, self.prefetch_factor = seed, num_workers, prefetch_factor
+        self.pin_memory = pin_memory  # for a CUDA device: the step's .to(device, non_blocking=True) overlaps
         self.block_rows = source.block_rows
         self.num_items = int(sum(self.block_rows))
         self.batches_per_epoch = self.num_items // global_batch_size
@@ -434,9 +437,16 @@ class BatchStream:
             )
             # A private generator: creating a DataLoader iterator draws a seed, and drawing it from the
             # global RNG would shift every dropout mask after a resume (which creates one mid-run).
+            # No persistent_workers: each loader is iterated once (one per epoch, or per rollback), so
+            # there is nothing to keep its workers for; they start once per epoch.
             generator = torch.Generator().manual_seed(self.seed)
             loader = DataLoader(
-                dataset, batch_size=None, num_workers=self.num_workers, generator=generator, **extra
+                dataset,
+                batch_size=None,
+                num_workers=self.num_workers,
+                generator=generator,
+                pin_memory=self.pin_memory,
+                **extra,
             )
             for batch in loader:
                 if "error" in batch:

@@ -41,6 +41,7 @@ from pipeline.train.config import Config, check_against_data, resolve_path
 from pipeline.train.metrics import MetricsLogger
 from pipeline.train.schedule import LRSchedule
 from pipeline.train.signals import PreemptionHandler
+from pipeline.train.speed import apply_tf32, loader_workers, resolve_precision
 
 log = logging.getLogger(__name__)
 TOKENIZER_DIR = "tokenizer"
@@ -141,6 +142,9 @@ def build_accelerator(cfg: Config) -> Any:
 
     probe = probe_cuda()
     device, why = resolve_device(cfg.train.device, probe)
+    cfg.train.mixed_precision = resolve_precision(cfg.train.mixed_precision, device)  # auto: bf16 on GPUs
+    apply_tf32(cfg.train.tf32, device)
+    cfg.optim.fused = cfg.optim.fused is True or (cfg.optim.fused == "auto" and device == "cuda")
     no_gpu = device == "cpu"
     if not no_gpu:
         torch.cuda.set_device(bind_local_device())  # one GPU per task: cuda:0 whatever the LOCAL_RANK
@@ -373,10 +377,17 @@ def shard_blocks(shards: ShardSet, verify: bool, rank: int) -> list[Any]:
 
 
 def build_stream(
-    cfg: Config, shard_set: ShardSet | None, tokenizer: Any, rank: int, world: int, prefix: str = ""
+    cfg: Config,
+    shard_set: ShardSet | None,
+    tokenizer: Any,
+    rank: int,
+    world: int,
+    prefix: str = "",
+    device: str = "cpu",
 ) -> BatchStream:
     """This rank's batches, from ``shard_set`` (None: the supervised file); ``prefix`` is the encoder's
-    text prefix, put before every text once."""
+    text prefix, put before every text once. On ``device`` cuda the batches are pinned and
+    ``data.num_workers: auto`` takes the CPUs per rank (pipeline/train/speed.py)."""
     d, t = cfg.data, cfg.train
     loss = cfg.terms()
     if loss.unsupervised:
@@ -405,9 +416,11 @@ def build_stream(
         collate = PairCollator(tokenizer, d.max_length, text_columns, label_dtype, prefix)
         source = MemorySource(columns, text_columns)
     window = d.bucket_window if d.length_bucketing else 0
+    workers = loader_workers(d.num_workers, device)
     return BatchStream(
-        source, collate, t.global_batch_size, rank, world, t.seed, d.num_workers, d.prefetch_factor, window
-    )
+        source, collate, t.global_batch_size, rank, world, t.seed, workers, d.prefetch_factor, window,
+        pin_memory=device == "cuda",
+    )  # fmt: skip
 
 
 def build_queue(cfg: Config, encoder: SentenceEncoder) -> tuple[nn.Module | None, nn.Module | None]:
@@ -500,7 +513,9 @@ def build(cfg: Config) -> Trainer:
     if accelerator.is_main_process:
         report_unk_rate(encoder, metrics)
     started = time.perf_counter()
-    stream = build_stream(cfg, shard_set, encoder.tokenizer, rank, world, encoder.prefix)
+    stream = build_stream(
+        cfg, shard_set, encoder.tokenizer, rank, world, encoder.prefix, accelerator.device.type
+    )
     planned = time.perf_counter() - started
     total = cfg.train.max_steps or cfg.train.epochs * stream.batches_per_epoch
     optimizer = build_optimizer(cfg, module)
@@ -513,6 +528,8 @@ def build(cfg: Config) -> Trainer:
         for m in (module, momentum.encoder if momentum is not None else None):
             if m is not None:
                 autocast_bf16_on_cpu(m)
+    if momentum is not None and accelerator.device.type == "cuda" and cfg.train.mixed_precision != "no":
+        momentum.autocast = torch.bfloat16 if cfg.train.mixed_precision == "bf16" else torch.float16
     log.info(
         "data: %d samples in %d blocks, %d global batches of %d per epoch, %d dropped per epoch; %d steps "
         "in all (planned in %.2f s)",

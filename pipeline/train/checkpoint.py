@@ -122,6 +122,7 @@ HARMLESS_KEYS: tuple[str, ...] = (
     "train.cpu",
     "train.device",
     "train.collective_timeout",
+    "train.tf32",  # GPU float32 rounding, not the recipe
 )
 
 

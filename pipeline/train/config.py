@@ -49,7 +49,11 @@ class DataConfig:
     )
     num_dropout_views: int = option(1, "d: extra dropout re-encodings of the original used as positives.")
     max_length: int = option(64, "Maximum tokens per sentence (longer ones are truncated).")
-    num_workers: int = option(2, "DataLoader worker processes per rank (0 = tokenise in the main process).")
+    num_workers: int | Literal["auto"] = option(
+        2,
+        "DataLoader worker processes per rank (0 = tokenise in the main process). auto: on CUDA "
+        "min(8, CPUs per rank - 1), at least 1 (docs/training.md, GPU-speed settings); on CPU 2.",
+    )
     prefetch_factor: int = option(4, "Batches each loader worker prepares ahead.")
     supervised_file: Path | None = option(
         None, "TSV/JSONL pair or triple file for sup_simcse, cosent and sbert (e.g. STS-B.train.tsv)."
@@ -89,7 +93,7 @@ class DataConfig:
             )
         if self.max_length < 4:
             raise ConfigError("data.max_length must be >= 4 tokens; raise --data.max_length")
-        if self.num_workers < 0:
+        if self.num_workers != "auto" and self.num_workers < 0:
             raise ConfigError("data.num_workers must be >= 0; set --data.num_workers=0 to load in-process")
         if self.prefetch_factor < 1:
             raise ConfigError("data.prefetch_factor must be >= 1")
@@ -205,8 +209,11 @@ class OptimConfig:
     )
     min_lr_ratio: float = option(0.0, "Final learning rate as a fraction of lr.")
     grad_clip: float = option(1.0, "Clip the global gradient norm to this (0 = no clipping).")
-    fused: bool = option(
-        False, "Fused AdamW kernel (torch >= 2.4, CPU and GPU): one kernel for all tensors instead of a loop."
+    fused: bool | Literal["auto"] = option(
+        False,
+        "Fused AdamW kernel (torch >= 2.4, CPU and GPU): one kernel for all tensors instead of a loop; it "
+        "also lets the non-finite guard skip a step on the GPU without a host sync. auto: fused on CUDA, "
+        "not on CPU (resolved at start; config.yaml records the result).",
     )
 
     def __post_init__(self) -> None:
@@ -273,8 +280,16 @@ class TrainConfig:
     )
     max_steps: int = option(0, "Stop after this many optimizer steps (0 = run `epochs` epochs).")
     epochs: int = option(1, "Passes over the data when max_steps is 0.")
-    mixed_precision: Literal["no", "fp16", "bf16"] = option(
-        "no", "Autocast precision (fp16 uses a grad scaler)."
+    mixed_precision: Literal["no", "fp16", "bf16", "auto"] = option(
+        "no",
+        "Autocast precision (fp16 uses a grad scaler). auto: bf16 on a CUDA GPU that supports it, else no "
+        "(CPU runs stay fp32); resolved at start, and config.yaml records the result.",
+    )
+    tf32: bool = option(
+        True,
+        "CUDA only: let float32 matmuls and convolutions use TF32 tensor cores (Ampere and later; "
+        "torch.set_float32_matmul_precision('high')): faster fp32 work outside autocast, ~1e-3 relative "
+        "rounding. No effect on CPU.",
     )
     gradcache_chunk_size: int = option(
         0, "GradCache: encode the batch in chunks of this many sequences (0 = one forward for the batch)."

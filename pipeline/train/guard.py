@@ -41,9 +41,12 @@ __all__ = [
     "EXIT_CODE_NONFINITE",
     "NonFiniteError",
     "SpikeDetector",
+    "DeviceCheck",
     "StepCheck",
+    "device_verdict",
     "first_nonfinite",
     "grad_norm",
+    "read_checks",
     "step_verdict",
 ]
 
@@ -71,19 +74,37 @@ class StepCheck(NamedTuple):
     loss: float  # mean over ranks of the finite losses (for the spike check)
 
 
-def step_verdict(loss: torch.Tensor, norm: torch.Tensor | None) -> StepCheck:
-    """Whether this step may be applied, and its loss: the same on every rank (collective under a group).
+class DeviceCheck(NamedTuple):
+    """A :class:`StepCheck` still on the device: read it with :func:`read_checks` (a host sync)."""
+
+    finite: torch.Tensor  # () bool, the same on every rank
+    loss: torch.Tensor  # () float64
+
+
+def device_verdict(loss: torch.Tensor, norm: torch.Tensor | None) -> DeviceCheck:
+    """Whether this step may be applied, and its loss, on the device (collective under a group, no sync).
 
     ``loss`` is this rank's loss (mean over micro-batches), ``norm`` the global gradient norm (identical
-    on all ranks after DDP's all-reduce; None when the step has no gradient to check). The host sync of
-    the guard is here: one copy of two numbers.
+    on all ranks after DDP's all-reduce; None when the step has no gradient to check).
     """
     finite = torch.isfinite(loss) if norm is None else torch.isfinite(loss) & torch.isfinite(norm.to(loss))
     bad = (~finite).to(torch.float64)
     packed = torch.stack([bad, torch.where(finite, loss.detach().to(torch.float64), 0.0)])
     packed = dist.all_reduce_sum(packed)  # (2,): ranks with a non-finite step, sum of finite losses
-    bad_ranks, loss_sum = packed.tolist()  # host sync
-    return StepCheck(bad_ranks == 0, loss_sum / dist.world_size())
+    return DeviceCheck(packed[0] == 0, packed[1] / dist.world_size())
+
+
+def read_checks(checks: list[DeviceCheck]) -> list[StepCheck]:
+    """The verdicts of several steps on the host: one copy of 2 x len(checks) numbers (a host sync)."""
+    if not checks:
+        return []
+    rows = torch.stack([torch.stack([c.finite.to(torch.float64), c.loss]) for c in checks]).tolist()
+    return [StepCheck(finite == 1.0, loss) for finite, loss in rows]
+
+
+def step_verdict(loss: torch.Tensor, norm: torch.Tensor | None) -> StepCheck:
+    """:func:`device_verdict` read back at once: the guard's per-step host sync (one copy of two numbers)."""
+    return read_checks([device_verdict(loss, norm)])[0]
 
 
 def _tensors(obj: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:

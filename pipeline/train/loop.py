@@ -1,8 +1,13 @@
 """The training loop: :func:`train` (steps, logging, evaluation, checkpoints) and :func:`train_step`.
 
-One host sync per step, the non-finite guard's verdict (two numbers: is the step finite on every rank,
-and its loss; ``guard.max_nonfinite_steps: 0`` removes it); otherwise losses stay on the device and are
-read back only at log steps. Collectives (the loss terms' gathers, queue enqueue, the guard's
+No host sync on a step that does not log, evaluate or save: losses stay on the device and are read
+back at log steps. The non-finite guard's verdict (two numbers: is the step finite on every rank, and
+its loss) stays on the device too when the optimizer can skip its own step on a device flag (fused
+AdamW, ``optim.fused``) and is read at the next log step (:func:`deferred`, :func:`settle`); with a
+foreach AdamW, under DeepSpeed or with several micro-batches it is read at every step (one sync;
+``guard.max_nonfinite_steps: 0`` removes it). ``tests/test_host_syncs.py`` counts them.
+
+Collectives (the loss terms' gathers, queue enqueue, the guard's
 all-reduce, the all-reduce of the logged loss, the checkpoint decision) happen at the same steps on
 every rank because every decision depends only on the step counter or on a value all ranks agreed on.
 """
@@ -27,7 +32,16 @@ from pipeline.losses import StepOutput
 from pipeline.train.build import Trainer
 from pipeline.train.checkpoint import save_model
 from pipeline.train.gradcache import chunked_forward_backward
-from pipeline.train.guard import NonFiniteError, SpikeDetector, StepCheck, grad_norm, step_verdict
+from pipeline.train.guard import (
+    DeviceCheck,
+    NonFiniteError,
+    SpikeDetector,
+    StepCheck,
+    device_verdict,
+    grad_norm,
+    read_checks,
+    step_verdict,
+)
 from pipeline.train.metrics import Throughput, alignment_uniformity
 from pipeline.train.signals import EXIT_CODE_PREEMPTED, CheckpointPolicy
 
@@ -108,9 +122,16 @@ def micro_batches(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
     return out
 
 
-def enqueue_keys(t: Trainer, rows: torch.Tensor, inputs: dict[str, torch.Tensor], mb: dict[str, Any]) -> None:
+def enqueue_keys(
+    t: Trainer,
+    rows: torch.Tensor,
+    inputs: dict[str, torch.Tensor],
+    mb: dict[str, Any],
+    apply: torch.Tensor | None = None,
+) -> None:
     """Keys of this micro-batch's originals into the queue with their sentence ids and text hashes, and
-    their teacher embeddings into the teacher queue alongside (gathered from all ranks: collectives)."""
+    their teacher embeddings into the teacher queue alongside (gathered from all ranks: collectives).
+    ``apply``: the step's verdict on the device (see :func:`deferred`)."""
     if t.queue is None:
         return
     b = rows.shape[0] // rows_per_sentence(mb)
@@ -121,9 +142,10 @@ def enqueue_keys(t: Trainer, rows: torch.Tensor, inputs: dict[str, torch.Tensor]
     else:
         keys = rows[:b].detach()  # momentum 0: a memory bank of the online view-0 embeddings
     # (B, H) per rank -> (W * B, H) on every rank, with each key's sentence id and text hash (B,)
-    t.queue.enqueue_gathered(keys, mb.get("ids"), mb.get("text_hashes"))
+    t.queue.enqueue_gathered(keys, mb.get("ids"), mb.get("text_hashes"), apply)
     if t.teacher_queue is not None:
-        t.teacher_queue.enqueue_gathered(mb["teacher"].to(keys.device))  # (B, D_t) -> (W * B, D_t)
+        teacher = mb["teacher"].to(keys.device)  # (B, D_t) -> (W * B, D_t) in the queue
+        t.teacher_queue.enqueue_gathered(teacher, apply=apply)
 
 
 def guarded(t: Trainer) -> bool:
@@ -140,6 +162,38 @@ def guarded(t: Trainer) -> bool:
     return not cfg.train.deepspeed_config or (
         cfg.train.grad_accum_steps == 1 and not cfg.train.gradcache_chunk_size
     )
+
+
+def deferred(t: Trainer) -> bool:
+    """Whether the guard's verdict stays on the device and is read only at log steps (no host sync on
+    the steps between): under the guard, without DeepSpeed or several micro-batches, with an optimizer
+    that skips its own step on a device flag (``found_inf``, as under a GradScaler: torch's fused
+    AdamW, ``optim.fused``). A non-finite step then leaves weights, AdamW's moments and step count,
+    the momentum encoder and the queue's rows untouched on the device; the loop learns of it at the
+    next log step and takes it back from the step and sample counters there (see :func:`settle`).
+    Otherwise (a foreach AdamW cannot skip on a device flag) the verdict is read at every step.
+    """
+    cfg = t.cfg
+    inner = getattr(t.optimizer, "optimizer", t.optimizer)  # inside Accelerate's AcceleratedOptimizer
+    return (
+        guarded(t)
+        and not cfg.train.deepspeed_config
+        and cfg.train.grad_accum_steps == 1
+        and bool(getattr(inner, "_step_supports_amp_scaling", False))
+    )
+
+
+def optimizer_step(t: Trainer, skip: torch.Tensor | None) -> None:
+    """``optimizer.step()``; with ``skip`` (a () bool device tensor) the fused kernel skips on the device."""
+    if skip is None:
+        t.optimizer.step()
+        return
+    inner = getattr(t.optimizer, "optimizer", t.optimizer)
+    inner.found_inf = skip.to(torch.float32)  # read by fused Adam/AdamW's step (torch.optim.adam)
+    try:
+        t.optimizer.step()
+    finally:
+        del inner.found_inf
 
 
 def deepspeed_step(t: Trainer, loss: torch.Tensor) -> StepCheck:
@@ -174,13 +228,14 @@ def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, Any]:
     """
     acc, cfg = t.accelerator, t.cfg
     t.schedule.apply(t.state.step)  # before backward: DeepSpeed steps inside accelerator.backward
-    guard = guarded(t)
+    guard, on_device = guarded(t), deferred(t)
     deepspeed = acc.distributed_type.value == "DEEPSPEED"
     mbs = micro_batches(batch, cfg.train.grad_accum_steps)
     # With several micro-batches each enqueues its keys before the step's verdict is known: keep a copy.
     snapshot = queue_snapshot(t) if guard and len(mbs) > 1 else None
     parts: list[dict[str, torch.Tensor]] = []
-    check = None
+    check: StepCheck | None = None
+    verdict: DeviceCheck | None = None  # when the verdict stays on the device (deferred)
     for mb in mbs:
         inputs = {k: mb[k].to(acc.device, non_blocking=True) for k in ("input_ids", "attention_mask")}
         with acc.accumulate(t.model):
@@ -203,19 +258,24 @@ def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, Any]:
                 norm = acc.clip_grad_norm_(t.model.parameters(), cfg.optim.grad_clip)
             if guard and acc.sync_gradients and not deepspeed:
                 norm = grad_norm(t.model.parameters()) if norm is None else norm
-                check = step_verdict(torch.stack([p["loss"] for p in parts]).mean(), norm)  # host sync
+                step_loss = torch.stack([p["loss"] for p in parts]).mean()
+                if on_device:
+                    verdict = device_verdict(step_loss, norm)  # no sync: read at the next log step
+                else:
+                    check = step_verdict(step_loss, norm)  # host sync
             if check is None or check.finite:
-                t.optimizer.step()
+                optimizer_step(t, None if verdict is None else ~verdict.finite)
             t.optimizer.zero_grad(set_to_none=True)
         if check is None or check.finite:
-            enqueue_keys(t, rows, inputs, mb)
+            enqueue_keys(t, rows, inputs, mb, None if verdict is None else verdict.finite)
     if check is not None and not check.finite:
         for queue, state in snapshot or []:
             queue.load_state_dict(state)
     else:
         if t.momentum_encoder is not None:
-            t.momentum_encoder.update(t.module.encoder, t.loss.config("luse").momentum)
-        t.state.step += 1
+            apply = None if verdict is None else verdict.finite
+            t.momentum_encoder.update(t.module.encoder, t.loss.config("luse").momentum, apply)
+        t.state.step += 1  # deferred: provisional, a skip found at the next log step is taken back
         t.state.samples_seen += cfg.train.global_batch_size
     n, b = mb["num_views"], rows.shape[0] // rows_per_sentence(mb)
     out: dict[str, Any] = {"embeddings": rows[: n * b].detach().view(n, b, -1)}  # (n, B, H), last micro-batch
@@ -229,6 +289,8 @@ def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, Any]:
             out[f"{key}_loss"] = values.mean()
     if check is not None:
         out["check"] = check
+    if verdict is not None:
+        out["verdict"] = verdict
     return out
 
 
@@ -299,6 +361,7 @@ def train(t: Trainer, on_batch: Callable[[Trainer, dict[str, Any]], None] | None
     policy = CheckpointPolicy(c.every_steps, c.every_minutes, check_every=cfg.train.log_every)
     throughput.samples0 = t.state.samples_seen
     spike = start_guard(t)
+    pending: list[tuple[DeviceCheck, Any, Any]] = []  # deferred verdicts not read yet, with their batch
     # Closed on every way out, an exception included: the loader workers ignore SIGTERM (preemption
     # signals are the main process's), so a worker left running would hang the interpreter's exit.
     batches = iter(t.stream)
@@ -316,18 +379,31 @@ def train(t: Trainer, on_batch: Callable[[Trainer, dict[str, Any]], None] | None
             if on_batch is not None:
                 on_batch(t, batch)
             out = train_step(t, batch)
-            check = out.get("check")
-            if check is not None and not check.finite:
-                skip_nonfinite(t, batch)  # nothing was updated; raises NonFiniteError after too many
-                continue
-            t.state.nonfinite_streak = 0
-            if spike is not None and observe_loss(t, spike, check.loss):
-                batches.close()  # the rollback moves the data cursor: a new iterator starts from it
-                roll_back(t, spike)
-                batches = iter(t.stream)
+            if "verdict" in out:  # deferred: the verdicts are read at log, eval and save steps only
+                pending.append((out["verdict"], batch.get("epoch"), batch.get("batch")))
+                bar.update(1)
+                if not settle_due(t, t.state.step):
+                    continue
+                outcome = settle(t, pending, spike)  # one host sync for the steps since the last one
                 bar.n = t.state.step
-                continue
-            bar.update(1)
+                if outcome == ROLLED_BACK:
+                    batches.close()
+                    batches = iter(t.stream)
+                if outcome != APPLIED:
+                    continue
+            else:
+                check = out.get("check")
+                if check is not None and not check.finite:
+                    skip_nonfinite(t, batch)  # nothing was updated; raises NonFiniteError after too many
+                    continue
+                t.state.nonfinite_streak = 0
+                if spike is not None and observe_loss(t, spike, check.loss):
+                    batches.close()  # the rollback moves the data cursor: a new iterator starts from it
+                    roll_back(t, spike)
+                    batches = iter(t.stream)
+                    bar.n = t.state.step
+                    continue
+                bar.update(1)
             step = t.state.step
             if step % cfg.train.log_every == 0 or step == t.total_steps:
                 log_step(t, out, throughput, bar)
@@ -364,6 +440,55 @@ def start_guard(t: Trainer) -> SpikeDetector | None:
     if t.state.spike is not None:
         spike.load_state_dict(t.state.spike)
     return spike
+
+
+APPLIED, SKIPPED, ROLLED_BACK = "applied", "skipped", "rolled_back"
+
+
+def settle_due(t: Trainer, step: int) -> bool:
+    """Whether the deferred verdicts must be read after ``step``: a log, eval or save step, or the last
+    (everything that reports or keeps the state needs the counters right)."""
+    cfg = t.cfg
+    return (
+        step % cfg.train.log_every == 0
+        or step >= t.total_steps
+        or bool(cfg.train.eval_every and step % cfg.train.eval_every == 0)
+        or bool(cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0)
+    )
+
+
+def settle(t: Trainer, pending: list[tuple[DeviceCheck, Any, Any]], spike: SpikeDetector | None) -> str:
+    """Read the deferred verdicts of the steps since the last settle (one host sync) and do, in order,
+    what the per-step guard does at each: a skipped step is counted and logged and taken back from the
+    step and sample counters (its update never happened on the device), too many in a row raise
+    :class:`NonFiniteError`, an applied step's loss feeds the spike detector, which may roll back.
+
+    Returns whether the newest step was applied, skipped, or a rollback happened (the data iterator
+    must then restart from the restored cursor). Compared with reading the verdict at every step: the
+    run stops or rolls back up to ``train.log_every - 1`` steps later, the steps between a skip and its
+    discovery ran with the learning rate of one step further on, and the queue's pointer moved past the
+    skipped step's rows (which kept their older keys).
+    """
+    checks = read_checks([verdict for verdict, _, _ in pending])  # host sync
+    where = [(epoch, batch) for _, epoch, batch in pending]
+    pending.clear()
+    per_step = t.cfg.train.global_batch_size
+    t.state.step -= len(checks)
+    t.state.samples_seen -= len(checks) * per_step
+    outcome = APPLIED
+    for check, (epoch, batch) in zip(checks, where):
+        if not check.finite:
+            skip_nonfinite(t, {"epoch": epoch, "batch": batch})  # raises NonFiniteError after too many
+            outcome = SKIPPED
+            continue
+        t.state.step += 1
+        t.state.samples_seen += per_step
+        t.state.nonfinite_streak = 0
+        outcome = APPLIED
+        if spike is not None and observe_loss(t, spike, check.loss):
+            roll_back(t, spike)
+            return ROLLED_BACK
+    return outcome
 
 
 def skip_nonfinite(t: Trainer, batch: dict[str, Any]) -> None:

@@ -149,13 +149,19 @@ class NegativeQueue(nn.Module):
 
     @torch.no_grad()
     def enqueue(
-        self, keys: torch.Tensor, ids: torch.Tensor | None = None, text_hashes: torch.Tensor | None = None
+        self,
+        keys: torch.Tensor,
+        ids: torch.Tensor | None = None,
+        text_hashes: torch.Tensor | None = None,
+        apply: torch.Tensor | None = None,
     ) -> None:
         """Append ``keys`` (N, dim), already gathered from all ranks, dropping the oldest rows; with them
         their sentence ids and text hashes (N,) int64 (left out: :data:`UNKNOWN`).
 
         If N exceeds the queue size only the newest ``size`` rows are kept, exactly as if the rows
-        had been written one by one.
+        had been written one by one. ``apply``: a () bool device tensor; where it is False the rows keep
+        what they held (the non-finite guard's verdict, decided on the device without a host sync), but
+        the pointer moves on all the same, since the host cannot know.
         """
         if keys.dim() != 2 or keys.shape[1] != self.dim:
             raise ValueError(f"keys must be (N, {self.dim}), got {tuple(keys.shape)}")
@@ -170,6 +176,9 @@ class NegativeQueue(nn.Module):
             keys = keys[-self.size :]  # (size, dim)
             tags = [t[-self.size :] for t in tags]
         rows = (start + torch.arange(keys.shape[0], device=self.keys.device)) % self.size  # (N,)
+        if apply is not None:
+            keys = torch.where(apply, keys, self.keys[rows])
+            tags = [torch.where(apply, t, old[rows]) for t, old in zip(tags, (self.ids, self.text_hashes))]
         self.keys[rows] = keys
         self.ids[rows], self.text_hashes[rows] = tags
         self._ptr = (self._ptr + count) % self.size
@@ -190,14 +199,15 @@ class NegativeQueue(nn.Module):
         local_keys: torch.Tensor,
         ids: torch.Tensor | None = None,
         text_hashes: torch.Tensor | None = None,
+        apply: torch.Tensor | None = None,
     ) -> None:
         """Gather ``local_keys`` (B, dim), and their ids and text hashes (B,) when given, from all ranks in
-        rank order, then enqueue (collectives: one per tensor given)."""
+        rank order, then enqueue (collectives: one per tensor given); ``apply`` as in :meth:`enqueue`."""
 
         def gather(tags: torch.Tensor | None) -> torch.Tensor | None:
             return None if tags is None else all_gather_no_grad(tags.to(local_keys.device))
 
-        self.enqueue(all_gather_no_grad(local_keys), gather(ids), gather(text_hashes))
+        self.enqueue(all_gather_no_grad(local_keys), gather(ids), gather(text_hashes), apply)
 
     def extra_repr(self) -> str:
         return f"size={self.size}, dim={self.dim}"
@@ -224,12 +234,15 @@ class MomentumEncoder(nn.Module):
     ZeRO-3 partitions parameters and is not supported with momentum > 0.
     """
 
-    def __init__(self, online: nn.Module, dropout: bool = True):
+    def __init__(self, online: nn.Module, dropout: bool = True, autocast: torch.dtype | None = None):
         super().__init__()
         self.encoder = copy.deepcopy(_unwrap(online))
         self.encoder.requires_grad_(False)
         self.dropout = dropout
         self.encoder.train(dropout)
+        # On CUDA, Accelerate autocasts the prepared online model's forward but not this copy: the
+        # trainer sets the same dtype here (on CPU bf16 build.autocast_bf16_on_cpu wraps both).
+        self.autocast = autocast
 
     def train(self, mode: bool = True) -> MomentumEncoder:
         # The copy's mode is fixed by ``dropout``, whatever the trainer does with model.train().
@@ -238,8 +251,12 @@ class MomentumEncoder(nn.Module):
         return self
 
     @torch.no_grad()
-    def update(self, online: nn.Module, momentum: float) -> None:
-        """k <- momentum * k + (1 - momentum) * q for every parameter; buffers are copied."""
+    def update(self, online: nn.Module, momentum: float, apply: torch.Tensor | None = None) -> None:
+        """k <- momentum * k + (1 - momentum) * q for every parameter; buffers are copied.
+
+        ``apply``: a () bool device tensor; where False the copy stays as it was (the non-finite guard's
+        verdict on the device, without a host sync).
+        """
         if not 0.0 <= momentum <= 1.0:
             raise ValueError(f"momentum must be in [0, 1], got {momentum}")
         online = _unwrap(online)
@@ -252,12 +269,20 @@ class MomentumEncoder(nn.Module):
         targets = [ours[n] for n in names]
         sources = [theirs[n].detach().to(ours[n].dtype) for n in names]
         # lerp(k, q, 1 - m) = k + (1 - m)(q - k) = m k + (1 - m) q, one fused kernel for all tensors.
-        torch._foreach_lerp_(targets, sources, 1.0 - momentum)
+        if apply is None:
+            torch._foreach_lerp_(targets, sources, 1.0 - momentum)
+        else:  # the same values where applied
+            for target, new in zip(targets, torch._foreach_lerp(targets, sources, 1.0 - momentum)):
+                target.copy_(torch.where(apply, new, target))
         their_buffers = dict(online.named_buffers())
         for name, buffer in self.encoder.named_buffers():
             buffer.copy_(their_buffers[name])
 
     @torch.no_grad()
     def encode(self, **batch: torch.Tensor) -> torch.Tensor:
-        """Keys for a tokenised batch: the copy's output, (B, H), no gradient."""
-        return self.encoder(**batch)
+        """Keys for a tokenised batch: the copy's output, (B, H), no gradient (float32 under autocast)."""
+        if self.autocast is None:
+            return self.encoder(**batch)
+        device = next(self.encoder.parameters()).device.type
+        with torch.autocast(device, dtype=self.autocast):
+            return self.encoder(**batch).float()

@@ -1,0 +1,136 @@
+"""No host sync on a training step that does not log (pipeline/train/loop.py): ``.item()``, ``.tolist()``,
+``.cpu()``, ``float()``/``int()``/``bool()`` of a tensor are counted per step of a tiny CPU run (the
+momentum encoder, the queue, the guard on); steps between log steps make none. And the guard's verdict
+read at log steps (fused AdamW) skips a NaN step like the per-step verdict does."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections import Counter
+
+import pytest
+import torch
+from _train_data import debug_config
+from test_nonfinite import Poison
+
+from pipeline.data.stream import BatchStream
+from pipeline.train import loop
+
+LOG_EVERY = 4
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def shards(tiny_shards):
+    return tiny_shards([[40, 24], [32]], num_variants=3)
+
+
+def cfg_for(tmp_path, shards, name, **overrides):
+    base = {
+        "train.max_steps": STEPS,
+        "train.log_every": LOG_EVERY,
+        "objective.momentum": 0.9,  # a momentum encoder and a queue
+        "optim.fused": True,  # the guard's verdict stays on the device
+        "train.debug_dump": True,
+        "train.eval_max_pairs": 16,
+        "run_dir": str(tmp_path / name),
+    }
+    return debug_config(tmp_path, shards, **{**base, **overrides})
+
+
+def train(cfg, on_batch=None):
+    from accelerate.state import AcceleratorState
+
+    from pipeline.train.run import run
+
+    AcceleratorState._reset_state(True)
+    code = run(cfg, on_batch)
+    return code, json.loads((cfg.run_dir / "debug" / "rank0.json").read_text()) if code == 0 else None
+
+
+class SyncCounter:
+    """Counts host syncs per step: from the moment a batch is handed to the loop until the next is asked
+    for (the step, and the loop's bookkeeping after it), data loading excluded."""
+
+    METHODS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
+
+    def __init__(self, monkeypatch):
+        self.per_step: list[Counter] = []
+        self.active = False
+        for name in self.METHODS:
+            monkeypatch.setattr(torch.Tensor, name, self._counting(name, getattr(torch.Tensor, name)))
+        original = BatchStream.__iter__
+
+        def counting_iter(stream):
+            for batch in original(stream):
+                self.per_step.append(Counter())
+                self.active = True
+                yield batch
+                self.active = False
+
+        monkeypatch.setattr(BatchStream, "__iter__", counting_iter)
+
+    def _counting(self, name, method):
+        counter = self
+
+        def wrapper(tensor, *args, **kwargs):
+            if counter.active:
+                caller = sys._getframe(1).f_code.co_filename
+                # transformers (5.x) reads padding_mask.all() in every BERT forward, to skip the attention
+                # mask of an unpadded batch: a sync inside the model, outside the loop (docs/training.md)
+                where = "transformers_mask" if caller.endswith("transformers/masking_utils.py") else name
+                counter.per_step[-1][where] += 1
+            return method(tensor, *args, **kwargs)
+
+        return wrapper
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_steps_between_log_steps_make_no_host_sync(tmp_path, shards, monkeypatch, precision):
+    counter = SyncCounter(monkeypatch)
+    code, dump = train(cfg_for(tmp_path, shards, "count", **{"train.mixed_precision": precision}))
+    counter.active = False
+    assert code == 0 and dump["step"] == STEPS
+    assert len(counter.per_step) == STEPS  # no skip: one batch per step
+    quiet = [step for step in range(1, STEPS + 1) if step % LOG_EVERY]
+    assert quiet == [1, 2, 3, 5, 6, 7]
+    # none from the loop, the guard, the queue, the momentum encoder or the losses; the online and the
+    # momentum encoder's forwards each make transformers' one
+    expected = {"transformers_mask": 2}
+    assert {step: dict(counter.per_step[step - 1]) for step in quiet} == {step: expected for step in quiet}
+    # the log steps do read back (the loss, the guard's verdicts): the counter sees syncs where they are
+    assert all(sum(counter.per_step[step - 1].values()) > 0 for step in (LOG_EVERY, STEPS))
+
+
+def test_the_deferred_verdict_changes_nothing_in_a_clean_run(tmp_path, shards, monkeypatch):
+    """Read at log steps or at every step, a run without a non-finite step ends bit-identical."""
+    code, deferred = train(cfg_for(tmp_path, shards, "deferred"))
+    assert code == 0
+    monkeypatch.setattr(loop, "deferred", lambda t: False)
+    code, per_step = train(cfg_for(tmp_path, shards, "per_step"))
+    assert code == 0
+    for key in ("param_checksum", "queue_checksum", "cursor", "step", "samples_seen"):
+        assert deferred[key] == per_step[key], key
+
+
+def test_a_nan_step_found_at_the_log_step_is_skipped_and_taken_back(tmp_path, shards):
+    """The NaN at batch 3 (step 4, a log step) and at batch 5 (found at the next log step): both skipped
+    on the device, counted, taken back from the step counter; 8 steps still take 8 applied updates."""
+    poisoned = Poison([(0, 3), (0, 5)])
+    code, dump = train(cfg_for(tmp_path, shards, "nan"), poisoned)
+    assert code == 0 and dump["step"] == STEPS and dump["samples_seen"] == STEPS * 16
+    records = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
+    skips = [r for r in records if r.get("event") == "nonfinite_skip"]
+    assert [(s["epoch"], s["batch"], s["skipped"], s["consecutive"]) for s in skips] == [
+        (0, 3, 1, 1),
+        (0, 5, 2, 1),
+    ]
+    assert len(poisoned.seen) == STEPS + 2
+    losses = [r for r in records if "loss" in r]
+    assert losses and all(math.isfinite(r["loss"]) for r in losses)
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / "nan" / "model" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
