@@ -54,6 +54,28 @@ WORKER = textwrap.dedent(
 )
 
 
+# The trainer's init, then a group created later without a timeout (as DeepSpeed clones the world group).
+LATER_GROUP = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch, torch.distributed as tdist
+    from pipeline.train.hangs import init_process_group
+
+    rank = int(sys.argv[1])
+    assert init_process_group("gloo", 3.0)
+    group = tdist.new_group(ranks=[0, 1])
+    tdist.barrier(group=group)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    try:
+        tdist.all_reduce(torch.ones(2), group=group)
+    except RuntimeError as exc:
+        print("raised:", str(exc).splitlines()[0], flush=True)
+        os._exit(0)
+    """
+)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -126,6 +148,29 @@ def test_a_silent_rank_is_named_by_the_one_that_waits(tmp_path, silent):
         assert "silent: rank 1 (no answer within 2 s)" in line
     else:  # rank 0 hosts the rendezvous store: asking it is what goes unanswered
         assert "silent: rank 0 or its node, which hosts the rendezvous store at 127.0.0.1" in line
+
+
+@pytest.mark.slow
+def test_a_group_created_later_gets_the_collective_timeout_too(tmp_path):
+    script = tmp_path / "later_group.py"
+    script.write_text(LATER_GROUP)
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r)],
+            env=_env(port, r),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        out, err = procs[0].communicate(timeout=240)  # torch's own default would be 30 min
+    finally:
+        _kill(procs)
+    assert "raised:" in out and "Timed out waiting 3000ms" in out, (out, err[-2000:])
 
 
 def _metrics_steps(run_dir) -> int:

@@ -198,7 +198,8 @@ def device_line(cfg: Config, accelerator: Any, probe: CudaProbe, why: str, ds: d
     backend = torch.distributed.get_backend() if dist.is_dist() else "none (one process)"
     d = accelerator.device
     if d.type == "cuda":
-        name = probe.device_names[d.index or 0] if len(probe.device_names) > (d.index or 0) else "GPU"
+        d = torch.device("cuda", torch.cuda.current_device() if d.index is None else d.index)
+        name = probe.device_names[d.index] if len(probe.device_names) > d.index else "GPU"
         bf16 = "yes" if probe.bf16 else "no"
         tf32 = "on" if torch.backends.cuda.matmul.allow_tf32 else "off"
         where = f"device {d} ({name}, bf16 {bf16}, TF32 matmul {tf32})"

@@ -77,7 +77,14 @@ def init_process_group(backend: str, timeout_s: float, env: dict[str, str] | Non
     needed = ("RANK", "MASTER_ADDR", "MASTER_PORT")
     if tdist.is_initialized() or any(k not in env for k in needed):
         return False
-    tdist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    tdist.init_process_group(backend, timeout=timeout)
+    # Groups created later without a timeout (DeepSpeed clones the world group for its reductions)
+    # take torch's default for their backend, not the default group's: make that default ours too.
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
     return True
 
 
