@@ -32,6 +32,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import pyarrow as pa  # noqa: E402
+
+from pipeline.stages.pairs.passes import PAIR_SCHEMA  # noqa: E402
+
 JUDGED = REPO / "benchmarks" / "pairs_judged.tsv"
 
 
@@ -77,6 +81,33 @@ def rows(shards: Path) -> list[dict]:
     return [r for e in manifest["shards"] for b in read_shard(shards / e["name"]) for r in b.to_pylist()]
 
 
+def subset(scratch: Path, shards: Path, per_source: int, seed: int) -> Path:
+    """The judged pairs and a seeded sample of the others, at most ``per_source`` per source, in their
+    shard order, as one pair shard (CPU time on this shared machine allows a few hundred per source)."""
+    from pipeline.shards import new_manifest, read_manifest, write_manifest, write_shard
+
+    out = scratch / f"pairs-subset-{per_source}"
+    if (out / "manifest.json").is_file():
+        return out
+    judged = {int(r["id"]) for r in csv.DictReader(open(JUDGED, encoding="utf-8"), delimiter="\t")}
+    found = rows(shards)
+    chosen: set[int] = set(judged)
+    by_source: dict[str, list[int]] = {}
+    for r in found:
+        by_source.setdefault(r["source"], []).append(r["id"])
+    for ids in by_source.values():
+        others = [i for i in ids if i not in judged]
+        random.Random(seed).shuffle(others)
+        chosen.update(others[: max(0, per_source - sum(i in judged for i in ids))])
+    table = pa.Table.from_pylist([r for r in found if r["id"] in chosen], schema=PAIR_SCHEMA)
+    out.mkdir(parents=True)
+    blocks = [table.slice(i, 1000) for i in range(0, table.num_rows, 1000)]
+    entry = write_shard(out / "shard-000000.tar", blocks, 0)
+    config = {**read_manifest(shards)["config"], "subset_per_source": per_source, "subset_seed": seed}
+    write_manifest(out, new_manifest("pairs", config, [entry], counts={"kept": table.num_rows}))
+    return out
+
+
 def sample(shards: Path, n: int, seed: int) -> None:
     if JUDGED.exists():
         print(f"{JUDGED} exists: not overwritten")
@@ -91,16 +122,18 @@ def sample(shards: Path, n: int, seed: int) -> None:
     print(f"wrote {n} pairs to {JUDGED}: fill in the good column (1/0) before running the filter")
 
 
-def teacher(scratch: Path, shards: Path, k: int, pool: int, model: str) -> tuple[Path, float, int]:
+def teacher(
+    scratch: Path, shards: Path, k: int, pool: int, model: str, max_length: int
+) -> tuple[Path, float, int]:
     """Run the teacher stage with the filter (once: its timing is kept beside its output)."""
-    out = scratch / f"teacher-k{k}-p{pool}"
-    timing = scratch / f"teacher-k{k}-p{pool}.seconds"
+    out = scratch / f"teacher-{shards.name}-k{k}-p{pool}-t{max_length}"
+    timing = out.with_suffix(".seconds")
     if not (out / "manifest.json").is_file():
         started = time.perf_counter()
         command = [
             sys.executable, "-m", "pipeline", "teacher", "--shards", str(shards), "--out", str(out),
             "--model", model, "--pair-top-k", str(k), "--pair-pool", str(pool), "--progress", "false",
-            "--batch-size", "64",
+            "--batch-size", "64", "--max-length", str(max_length),
         ]  # fmt: skip
         subprocess.run(command, check=True, cwd=REPO)
         timing.write_text(str(time.perf_counter() - started))
@@ -125,56 +158,62 @@ def projection(shards: Path, model: str) -> None:
     found = rows(shards)
     tokenizer = AutoTokenizer.from_pretrained(model)
     prefix = "query: "  # e5's prefix as the teacher stage applies it (encoder.json)
-    lengths = [
-        len(tokenizer(prefix + r[side], truncation=True, max_length=512)["input_ids"])
-        for r in found
-        for side in ("text", "positive")
-    ]
-    tokens = sum(lengths) / len(found)
+    full = [len(tokenizer(prefix + r[side])["input_ids"]) for r in found for side in ("text", "positive")]
     h, f, n = E5_SMALL["hidden"], E5_SMALL["intermediate"], E5_SMALL["layers"]
     per_token = 2 * n * (4 * h * h + 2 * h * f)  # the dense layers, forward
-    attention = sum(2 * n * 2 * t * t * h for t in lengths) / len(found)  # QK^T and AV, forward
-    flops = per_token * tokens + attention
-    print(f"projection inputs: {len(found):,} pairs, {tokens:.1f} tokens a pair (both sides, prefix, "
-          f"<= 512), {flops / 1e9:.2f} GFLOP a pair (e5-small forward), MFU {ASSUMED_MFU} assumed, "
-          f"{FULL_CORPUS_PAIRS:,} pairs in the full corpus (estimated)")  # fmt: skip
-    for gpu, peak in GPU_PEAK_TFLOPS.items():
-        rate = peak * 1e12 * ASSUMED_MFU / flops
-        hours = FULL_CORPUS_PAIRS / rate / 3600
-        print(f"  projected {gpu}: {rate:,.0f} pairs/s per GPU, {hours:.2f} GPU-hours for the full corpus")
+    for limit in (128, 512):
+        lengths = [min(t, limit) for t in full]
+        tokens = sum(lengths) / len(found)
+        attention = sum(2 * n * 2 * t * t * h for t in lengths) / len(found)  # QK^T and AV, forward
+        flops = per_token * tokens + attention
+        print(f"projection inputs (max_length {limit}): {len(found):,} pairs, {tokens:.1f} tokens a pair "
+              f"(both sides, with the prefix), {flops / 1e9:.3f} GFLOP a pair (e5-small forward), MFU "
+              f"{ASSUMED_MFU} assumed, {FULL_CORPUS_PAIRS:,} pairs in the full corpus (est.)")  # fmt: skip
+        for gpu, peak in GPU_PEAK_TFLOPS.items():
+            rate = peak * 1e12 * ASSUMED_MFU / flops
+            hours = FULL_CORPUS_PAIRS / rate / 3600
+            print(
+                f"  projected {gpu}: {rate:,.0f} pairs/s per GPU, {hours:.2f} GPU-hours for the full corpus"
+            )
 
 
-def report(shards: Path, taught: Path, k: int) -> None:
+def report(taught: Path, ks: list[int]) -> None:
+    """Precision and recall of the filter's decision (rank <= k) against the hand judgements."""
     from pipeline.shards import read_manifest, read_shard
 
     judged = list(csv.DictReader(open(JUDGED, encoding="utf-8"), delimiter="\t"))
     if any(r["good"] not in ("0", "1") for r in judged):
         raise SystemExit(f"{JUDGED}: fill in every good value (0/1) first")
     manifest = read_manifest(taught)
-    kept = {
-        r["id"]: r for e in manifest["shards"] for b in read_shard(taught / e["name"]) for r in b.to_pylist()
+    ranks = {
+        r["id"]: (r["pair_rank"], r["pair_pool"], r["pair_cosine"])
+        for e in manifest["shards"]
+        for b in read_shard(taught / e["name"])
+        for r in b.select(["id", "pair_rank", "pair_pool", "pair_cosine"]).to_pylist()
     }
-    by_source: dict[str, list[int]] = {}
-    tp = fp = fn = tn = 0
+    good = sum(r["good"] == "1" for r in judged)
+    print(f"judged {len(judged)} pairs by hand: {good} good, {len(judged) - good} bad")
     for r in judged:
-        good, keep = r["good"] == "1", int(r["id"]) in kept
-        tp += good and keep
-        fp += (not good) and keep
-        fn += good and not keep
-        tn += (not good) and not keep
-        s = by_source.setdefault(r["source"], [0, 0, 0, 0])
-        s[0] += good and keep
-        s[1] += (not good) and keep
-        s[2] += good and not keep
-        s[3] += (not good) and not keep
-    print(f"judged {len(judged)} pairs: {tp + fn} good, {fp + tn} bad; filter (k={k}) kept {tp + fp}")
-    print(
-        f"precision {tp / max(tp + fp, 1):.3f} "
-        f"(good among kept; among all judged pairs: {(tp + fn) / len(judged):.3f})"
-    )
-    print(f"recall {tp / max(tp + fn, 1):.3f} (kept among good); bad pairs dropped {tn}/{fp + tn}")
-    for source, (a, b, c, d) in sorted(by_source.items()):
-        print(f"  {source}: good kept {a}, bad kept {b}, good dropped {c}, bad dropped {d}")
+        if r["good"] == "0":
+            rank, pool, cosine = ranks[int(r["id"])]
+            print(f"  bad pair {r['source']}: rank {rank} of {pool}, cosine {cosine:.3f}: {r['anchor'][:30]}")
+    for k in ks:
+        tp = fp = fn = tn = 0
+        by_source: dict[str, list[int]] = {}
+        for r in judged:
+            is_good, keep = r["good"] == "1", ranks[int(r["id"])][0] <= k
+            cell = (0 if keep else 2) + (
+                0 if is_good else 1
+            )  # good kept, bad kept, good dropped, bad dropped
+            tp, fp, fn, tn = tp + (cell == 0), fp + (cell == 1), fn + (cell == 2), tn + (cell == 3)
+            by_source.setdefault(r["source"], [0, 0, 0, 0])[cell] += 1
+        all_kept = sum(rank <= k for rank, _, _ in ranks.values())
+        print(f"k={k}: kept {tp + fp} of {len(judged)} judged ({all_kept:,} of {len(ranks):,} pairs in all); "
+              f"precision {tp / max(tp + fp, 1):.3f}, recall {tp / max(tp + fn, 1):.3f}, "
+              f"bad pairs dropped {tn} of {fp + tn}")  # fmt: skip
+        for source, cells in sorted(by_source.items()):
+            print(f"    {source}: good kept {cells[0]}, bad kept {cells[1]}, good dropped {cells[2]}, "
+                  f"bad dropped {cells[3]}")  # fmt: skip
 
 
 def main() -> None:
@@ -186,8 +225,10 @@ def main() -> None:
     parser.add_argument("--per-source", type=int, default=500)
     parser.add_argument("--judge", type=int, default=80)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--k", type=int, default=2)
+    parser.add_argument("--k", default="1,2,3,5", help="the filter's k values to report")
     parser.add_argument("--pool", type=int, default=64)
+    parser.add_argument("--subset", type=int, default=150, help="pairs per source the teacher encodes")
+    parser.add_argument("--max-length", type=int, default=128, help="the teacher's token limit per side")
     parser.add_argument("--model", default=str(REPO / "models" / "e5-small"))
     args = parser.parse_args()
     inputs = corpus(args.scratch, args.per_source)
@@ -195,11 +236,13 @@ def main() -> None:
     if args.stage == "sample":
         sample(shards, args.judge, args.seed)
         return
-    taught, seconds, pairs = teacher(args.scratch, shards, args.k, args.pool, args.model)
-    print(f"teacher + filter: {pairs:,} pairs in {seconds:.1f} s wall = {pairs / seconds:.1f} pairs/s "
-          f"({seconds / pairs * 1000:.1f} ms a pair; model load included)")  # fmt: skip
-    report(shards, taught, args.k)
-    projection(shards, args.model)
+    small = subset(args.scratch, shards, args.subset, args.seed)
+    taught, seconds, pairs = teacher(args.scratch, small, 0, args.pool, args.model, args.max_length)
+    print(f"teacher (e5-small, fp32 CPU, max_length {args.max_length}) + scores: {pairs:,} pairs in "
+          f"{seconds:.1f} s wall = {pairs / seconds:.2f} pairs/s ({seconds / pairs * 1000:.0f} ms a pair; "
+          "model load included)")  # fmt: skip
+    report(taught, [int(k) for k in args.k.split(",")])
+    projection(small, args.model)
 
 
 if __name__ == "__main__":

@@ -364,3 +364,22 @@ def test_plain_text_gives_neighbouring_sentences_only_when_asked(tmp_path):
     lines = {key_text(line) for line in CLUE_DOCUMENTS.read_text(encoding="utf-8").splitlines()}
     adjacent = [any(key_text(r["text"]) + key_text(r["positive"]) in line for line in lines) for r in found]
     assert sum(adjacent) >= 0.8 * len(found)
+
+
+def test_a_stopped_run_resumes_to_the_same_bytes(tmp_path):
+    inputs = [synthetic(tmp_path / "in"), BUNDLED]
+    options = dict(near_duplicates=True, pairs_per_shard=700, rows_per_block=100, progress=False)
+    clean = tmp_path / "clean"
+    assert run(Config(inputs=inputs, out=clean, **options)) == 0
+    stopped = tmp_path / "stopped"
+    for phase in ("split", "dedup", "shards"):
+        assert run(Config(inputs=inputs, out=stopped, phase=phase, **options)) == 0
+    work = stopped / ".work"
+    # as if killed: a unit, a partition and a shard lose their completion records, a shard its bytes
+    (work / "split" / "unit-000001.json").unlink()
+    (work / "dedup" / "part-000000.json").unlink()
+    (stopped / "shard-000001.tar").write_bytes(b"truncated")
+    assert run(Config(inputs=inputs, out=stopped, **options)) == 0
+    names = sorted(p.name for p in clean.iterdir())
+    assert names == sorted(p.name for p in stopped.iterdir()) and "shard-000001.tar" in names
+    assert all((clean / n).read_bytes() == (stopped / n).read_bytes() for n in names)
