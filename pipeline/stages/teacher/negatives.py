@@ -93,9 +93,20 @@ def load_pool(shard_dir: Path, entries: list[dict[str, Any]]) -> Pool:
     )
 
 
-def build_search_index(vectors: np.ndarray, params: MineParams) -> Any:
-    from pipeline.search.backend import build_index, default_nlist
+def build_search_index(vectors: np.ndarray, params: MineParams, device: str = "auto") -> Any:
+    """The index the pool is searched with. Flat on a GPU: a chunked exact search on the device (the
+    corpus stays in host memory, device memory stays bounded: pipeline/search/backend.py); flat on the
+    CPU, IVF and HNSW: faiss as before (IVF built on a GPU when faiss-gpu has one and ``device`` is not
+    cpu, then searched on the CPU)."""
+    from pipeline.search.backend import ChunkedExactSearch, build_index, default_nlist, search_device
 
+    device = search_device(device)
+    if params.index_type == "flat" and device.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        log.info("exact search on %s (float16, chunks of the corpus; %.1f GB free)", device, free / 1e9)
+        return ChunkedExactSearch(vectors, device, resident_bytes=free // 2)
     n, dim = vectors.shape
     index_params: dict[str, Any] = {}
     if params.index_type == "ivf":
@@ -103,7 +114,7 @@ def build_search_index(vectors: np.ndarray, params: MineParams) -> Any:
     elif params.index_type == "hnsw":
         index_params = {"hnsw_m": 32, "ef_construction": 80, "ef_search": max(64, params.depth)}
     train = vectors[np.random.default_rng(0).permutation(n)[:100_000]] if params.index_type == "ivf" else None
-    index, _ = build_index(params.index_type, dim, index_params, train, [vectors], use_gpu=True)
+    index, _ = build_index(params.index_type, dim, index_params, train, [vectors], use_gpu=device != "cpu")
     return index
 
 
@@ -147,8 +158,9 @@ def mine_rows(
     """Hard negatives (pool rows) of rows [lo, hi)."""
     out: list[list[int]] = []
     depth = min(params.depth, len(pool.texts))
-    for start in range(lo, hi, SEARCH_BATCH):
-        stop = min(hi, start + SEARCH_BATCH)
+    step = getattr(index, "preferred_batch", SEARCH_BATCH)  # the chunked GPU search streams per call
+    for start in range(lo, hi, step):
+        stop = min(hi, start + step)
         sims, rows = index.search(pool.vectors[start:stop], depth)  # (b, depth) each
         out += [
             select_negatives(start + i, rows[i], sims[i], pool, params, counts) for i in range(stop - start)
@@ -158,7 +170,7 @@ def mine_rows(
 
 def mine_shards(
     shard_dir: Path, entries: list[dict[str, Any]], out_dir: Path, work_dir: Path, params: MineParams,
-    progress: bool = True,
+    progress: bool = True, device: str = "auto",
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:  # fmt: skip
     """Write every encoded shard of ``shard_dir`` to ``out_dir`` with its hard negatives.
 
@@ -170,7 +182,7 @@ def mine_shards(
     pool = load_pool(shard_dir, entries)
     log.info("mining %d hard negatives per sentence among %d sentences (%s index, depth %d)",
              params.k, len(pool.texts), params.index_type, params.depth)  # fmt: skip
-    index = build_search_index(pool.vectors, params)
+    index = build_search_index(pool.vectors, params, device)  # the teacher's --device; cpu opts out
     out_entries, total = [], Counter({key: 0 for key in COUNT_KEYS})
     bounds = pool.starts + [len(pool.texts)]
     bar = progress_bars.bar(

@@ -448,7 +448,9 @@ def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, An
         params = MineParams(
             cfg.hard_negatives, cfg.hn_depth, cfg.hn_max_similarity, cfg.hn_min_similarity, cfg.hn_index
         )
-        entries, mined = mine_shards(shard_dir, entries, cfg.out, cfg.out / WORK_DIR, params, cfg.progress)
+        entries, mined = mine_shards(
+            shard_dir, entries, cfg.out, cfg.out / WORK_DIR, params, cfg.progress, cfg.device
+        )
         counts["hard_negatives"] = mined
         extra["hard_negatives"] = params.record()
     manifest = new_manifest(
