@@ -2,18 +2,18 @@
 Retrieval"): map embeddings to zero mean and identity covariance, optionally keeping the first
 ``dim`` principal directions, which also reduces the dimension.
 
-``x_white = (x - mu) @ W`` with ``W = U[:, :dim] / sqrt(max(S[:dim], floor * S[0]))`` from the SVD of
-the covariance.
+``x_white = (x - mu) @ W`` with ``W = U[:, :k] / sqrt(S[:k])`` from the SVD of the covariance, where k
+is ``dim`` or fewer: directions whose eigenvalue is below ``EIGENVALUE_FLOOR`` times the largest are
+dropped.
 
-The eigenvalue floor (``EIGENVALUE_FLOOR``, relative to the largest eigenvalue) is the conditioning:
-full-rank whitening divides by the square root of the smallest eigenvalue, and a near-null direction
-(a few hundred sentences for a few hundred dimensions, or an anisotropic encoder) then turns float32
-rounding noise in the input into a whole output component. With the floor, no direction is scaled by
-more than ``1 / sqrt(floor * S[0])``: the largest singular value of W, so a perturbation d of the input
-moves the whitened vector by at most ``|d| / sqrt(floor * S[0])`` and the condition number of W is at
-most ``floor ** -0.5`` (316 for 1e-5). Directions above the floor are whitened exactly; those below it
-keep their variance ratio to the floor instead of being blown up to unit variance (the ZCA/PCA
-"epsilon" regularisation, relative so that it does not depend on the embeddings' scale).
+Why the floor: full-rank whitening divides by the square root of the smallest eigenvalue, and a
+near-null direction carries no signal, only rounding noise, which whitening scales up to a whole
+unit-variance component (a randomly initialised BERT's LayerNorm makes every hidden state sum to 0, an
+exact null direction; a few hundred sentences for a few hundred dimensions make more). Dropping the
+directions below the floor bounds the largest singular value of W by ``1 / sqrt(floor * S[0])``: an
+input perturbation d moves ``(x - mu) W`` by at most ``|d| / sqrt(floor * S[0])``, and after the final
+normalisation by at most ``2 |d| sigma_max(W) / |(x - mu) W|`` (tests/test_export_whitening.py uses this
+bound as its tolerance). With 1e-5 no kept direction is amplified more than 316 times the first one.
 Shared by evaluation (whitened Spearman) and search (dimension reduction stored with an index).
 """
 
@@ -31,7 +31,7 @@ EIGENVALUE_FLOOR = 1e-5  # relative to the largest eigenvalue: W's condition num
 class Whitening:
     mean: np.ndarray  # (H,)
     matrix: np.ndarray  # (H, dim)
-    floored: int = 0  # kept directions whose eigenvalue was raised to the floor (0 after load)
+    dropped: int = 0  # of the requested directions, those below the eigenvalue floor (0 after load)
     floor: float = 0.0  # the absolute eigenvalue floor used (EIGENVALUE_FLOOR * largest eigenvalue)
 
     @property
@@ -58,8 +58,9 @@ def fit_whitening(
 ) -> Whitening:
     """Fit on embeddings ``x`` (N, H); ``dim`` keeps the top principal directions (None: all).
 
-    Eigenvalues below ``eigenvalue_floor`` times the largest are raised to it (see the module docstring);
-    ``eps`` is the absolute floor for embeddings without variance.
+    Directions with an eigenvalue below ``eigenvalue_floor`` times the largest are dropped (see the
+    module docstring), so the result may have fewer than ``dim`` columns; ``eps`` is the absolute floor
+    for embeddings without variance.
     """
     x = np.asarray(x, dtype=np.float64)
     if x.ndim != 2 or x.shape[0] < 2:
@@ -71,9 +72,10 @@ def fit_whitening(
     cov = np.cov((x - mean).T)  # (H, H)
     u, s, _ = np.linalg.svd(cov)
     floor = max(eigenvalue_floor * float(s[0]), eps)
-    matrix = u[:, :dim] / np.sqrt(np.maximum(s[:dim], floor))
+    kept = max(int((s[:dim] >= floor).sum()), 1)
+    matrix = u[:, :kept] / np.sqrt(np.maximum(s[:kept], floor))
     return Whitening(mean=mean.astype(np.float32), matrix=matrix.astype(np.float32),
-                     floored=int((s[:dim] < floor).sum()), floor=floor)  # fmt: skip
+                     dropped=dim - kept, floor=floor)  # fmt: skip
 
 
 def as_linear(whitening: Whitening):

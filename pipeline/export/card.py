@@ -290,7 +290,14 @@ def corpus_lines(shards: str | None) -> list[str]:
         )
     teacher = by_stage.get("teacher")
     if teacher and isinstance(teacher.get("teacher"), dict):
-        t = teacher["teacher"]
+        t = dict(teacher["teacher"])
+        name = str(t.get("name") or "")
+        if name and Path(name).is_dir():  # a local folder: its name, and its upstream if it records one
+            record = Path(name) / "PROVENANCE.json"
+            upstream = (
+                json.loads(record.read_text(encoding="utf-8")).get("upstream") if record.is_file() else None
+            )
+            t["name"] = f"`{Path(name).name}`" + (f" ({upstream})" if upstream else "")
         lines.append(
             f"- **Teacher embeddings**: {t.get('name') or t.get('model') or 'recorded'} "
             f"({fmt_number(t.get('dim'))}-d, {t.get('pooling')} pooling, prefix `{t.get('prefix', '')}`), "
@@ -532,8 +539,9 @@ def limitations_lines(inp: CardInputs) -> list[str]:
         lines.append(
             f"- **What a cosine means**: cosines are not probabilities and are not centred at 0. Between "
             f"unrelated sentences ({fmt_number(int(u['pairs']))} random pairs of bundled corpus sentences, "
-            f"measured at export) the median cosine is {u['median']:.2f} (5th–95th percentile "
-            f'{u["p05"]:.2f}–{u["p95"]:.2f}); rank by cosine, and do not read a fixed value as "similar".\n'
+            f"measured at export) the median cosine is {fmt_number(round(u['median'], 3))} (5th–95th "
+            f"percentile {fmt_number(round(u['p05'], 3))}–{fmt_number(round(u['p95'], 3))}); rank by "
+            'cosine, and do not read a fixed value as "similar".\n'
         )
     if inp.calibration is not None:
         lines.append(
@@ -592,10 +600,10 @@ def model_card(inp: CardInputs) -> str:
         lines.append(
             f"The embeddings are BERT-whitened (Su et al. 2021) to {w['dim']} dimensions: the `Dense` module "
             f"maps the normalised pooled vector x to (x - mu) W, fitted on {fmt_number(w['sentences'])} "
-            f"sentences of the {w['source']} (no evaluation sentence), then `Normalize`. Eigenvalues below "
-            f"{fmt_number(w['eigenvalue_floor'])} of the largest are raised to that floor ({w['floored']} of "
-            f"{w['input_dim']} directions), so W's condition number is {w['max_gain']:.0f} (at most "
-            f"{w['eigenvalue_floor'] ** -0.5:.0f}) and rounding noise is not amplified into a component. The "
+            f"sentences of the {w['source']} (no evaluation sentence), then `Normalize`. Directions with an "
+            f"eigenvalue below {fmt_number(w['eigenvalue_floor'])} of the largest carry only noise and are "
+            f"dropped ({w['dropped']} of the requested ones), so W's condition number is {w['max_gain']:.0f} "
+            f"(at most {w['eigenvalue_floor'] ** -0.5:.0f}) and rounding noise is not amplified. The "
             "evaluation table below is of the model before whitening.\n"
         )
     lines += [

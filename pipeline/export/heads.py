@@ -36,7 +36,7 @@ def add_whitening(encoder: Any, cfg: Any) -> dict[str, Any]:
     encoder.dense_activation, encoder.normalize_before_dense = "identity", True
     return {"source": "bundled People's Daily corpus (1998-01)", "sentences": len(sentences),
             "dim": encoder.dim, "input_dim": int(vectors.shape[1]), "seed": cfg.seed,
-            "eigenvalue_floor": EIGENVALUE_FLOOR, "floored": whitening.floored,
+            "eigenvalue_floor": EIGENVALUE_FLOOR, "dropped": whitening.dropped,
             "max_gain": float(singular.max() / singular.min())}  # fmt: skip
 
 
