@@ -25,6 +25,11 @@ Rows (each prints PASS only if every run of it met the claim):
   (auto-resume from the newest checkpoint): the final parameters (every rank's checksum and the saved
   model file), momentum queue, data cursor and every logged loss must be bit-identical to an
   uninterrupted run's.
+* two "nodes" (two ``accelerate launch`` groups, one process each) in two network namespaces joined by a
+  veth pair (tests/netns.py; root), node 1 killed, hung (SIGSTOP) or cut off (its link down) after a
+  random step: node 0 must exit by itself within ``train.collective_timeout`` (30 s) + 60 s, its rank
+  with exit code 76 and a ``collective timeout:`` line, and both nodes relaunched must
+  end bit-identical to an uninterrupted two-node run; the time node 0 took to exit is reported.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -965,6 +971,131 @@ def teacher_kills(work: Path, runs: int, rng: random.Random) -> None:
     )
 
 
+# ----------------------------------------------------------------------------------- two nodes, netns
+NETNS_FAULTS = ("kill9", "sigstop", "partition")
+COLLECTIVE_TIMEOUT = 30  # train.collective_timeout of the netns row; survivors must exit within it + 60 s
+
+
+def netns_launch_cmd(shards: Path, run_dir: Path, node: int, master: str) -> list[str]:
+    """One "node" of two: ``accelerate launch --num_machines 2 --machine_rank NODE`` (one process each),
+    the rendezvous at node 0's veth address; else launch_cmd's run (debug.yaml, 24 steps)."""
+    return [
+        str(Path(sys.executable).parent / "accelerate"), "launch",
+        "--config_file", str(REPO / "launch" / "accelerate" / "cpu2.yaml"),
+        "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(node),
+        "--main_process_ip", master, "--main_process_port", "29500",  # free: nothing else in the namespace
+        str(REPO / "launch" / "pretrain.py"), "--config", str(REPO / "launch" / "configs" / "debug.yaml"),
+        f"--data.shards={shards}", f"--run_dir={run_dir}", f"--train.max_steps={TRAIN_STEPS}",
+        "--checkpoint.every_steps=2", "--objective.momentum=0.9", "--train.debug_dump",
+        f"--train.collective_timeout={COLLECTIVE_TIMEOUT}",
+    ]  # fmt: skip
+
+
+def netns_launch(nodes, shards: Path, run_dir: Path, name: str) -> list[subprocess.Popen]:
+    from netns import IFNAME
+
+    env = {**train_env(), "GLOO_SOCKET_IFNAME": IFNAME}  # else gloo picks the interface of the hostname
+    procs = []
+    for node in (0, 1):
+        with open(run_dir.parent / f"{run_dir.name}.{name}.node{node}.log", "w") as out:
+            cmd = [*nodes.prefix(node), *netns_launch_cmd(shards, run_dir, node, nodes.addresses[0])]
+            procs.append(
+                subprocess.Popen(cmd, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
+            )
+    return procs
+
+
+def netns_faults(work: Path, runs: int, rng: random.Random) -> None:
+    """Two "nodes" (tests/netns.py: two network namespaces joined by a veth pair, 10.231.0.1 and .2), one
+    ``accelerate launch`` group each. Node 1 killed (SIGKILL of every process in its namespace), hung
+    (SIGSTOP of them all) or cut off (its end of the link down) after a random step: node 0's launcher
+    must exit by itself within collective_timeout + 60 s, its rank with exit code 76 and a
+    ``collective timeout:`` line (at once after a kill: gloo sees the peer's sockets close); then both
+    nodes relaunched must end bit-identical to an uninterrupted two-node run."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from netns import TwoNodes, unavailable
+
+    from pipeline.train.signals import EXIT_CODE_COLLECTIVE_TIMEOUT
+
+    reason = unavailable()
+    if reason is not None:
+        row("two nodes in network namespaces: a node killed, hung or cut off", f"not run: {reason}", False)
+        return
+    shards = training_shards(work)
+    bound = COLLECTIVE_TIMEOUT + 60
+    results: dict[str, dict[str, list]] = {
+        f: {"exit": [], "ok": [], "same": [], "how": []} for f in NETNS_FAULTS
+    }
+    with TwoNodes() as nodes:
+        ref_dir = work / "netns-clean"
+        shutil.rmtree(ref_dir, ignore_errors=True)
+        started = time.perf_counter()
+        procs = netns_launch(nodes, shards, ref_dir, "run")
+        codes = [p.wait(timeout=600) for p in procs]
+        if codes != [0, 0]:
+            raise RuntimeError(f"the uninterrupted two-node run failed: exit codes {codes} (logs in {work})")
+        print(f"      uninterrupted two-node run: {time.perf_counter() - started:.0f} s")
+        ref = final_state(ref_dir)
+        for run in range(runs):
+            for fault in NETNS_FAULTS:
+                run_dir = work / f"netns-{fault}-{run}"
+                shutil.rmtree(run_dir, ignore_errors=True)
+                target = rng.randrange(3, TRAIN_STEPS * 2 // 3)
+                procs = netns_launch(nodes, shards, run_dir, "faulted")
+                try:
+                    while procs[0].poll() is None and max(logged_steps(run_dir), default=0) < target:
+                        time.sleep(0.05)
+                    reached = max(logged_steps(run_dir), default=0)
+                    if procs[0].poll() is not None:
+                        raise RuntimeError(f"{run_dir.name}: node 0 exited with {procs[0].returncode} "
+                                           f"before step {target} (logs in {work})")  # fmt: skip
+                    faulted_at = time.monotonic()
+                    if fault == "partition":
+                        nodes.cut(1)
+                    else:
+                        nodes.signal(1, signal.SIGKILL if fault == "kill9" else signal.SIGSTOP)
+                    try:
+                        code = procs[0].wait(timeout=bound)
+                    except subprocess.TimeoutExpired:
+                        code = None
+                    took = time.monotonic() - faulted_at
+                finally:
+                    for node in (0, 1):
+                        nodes.signal(node, signal.SIGKILL)
+                    for p in procs:
+                        p.wait(timeout=60)
+                    nodes.mend(1)
+                log0 = (run_dir.parent / f"{run_dir.name}.faulted.node0.log").read_text(errors="replace")
+                rank_code = re.search(r"exitcode\s*:\s*(-?\d+)", log0)
+                rank_code = int(rank_code.group(1)) if rank_code else None
+                line = next((x[x.index("collective timeout:") :] for x in log0.splitlines()
+                             if "collective timeout:" in x), None)  # fmt: skip
+                ok = (
+                    code is not None and rank_code == EXIT_CODE_COLLECTIVE_TIMEOUT and line is not None
+                    and not (run_dir / "model").exists()
+                )  # fmt: skip
+                procs = netns_launch(nodes, shards, run_dir, "resumed")
+                codes = [p.wait(timeout=600) for p in procs]
+                same = codes == [0, 0] and same_training(final_state(run_dir), ref)
+                r = results[fault]
+                r["exit"].append(took), r["ok"].append(ok), r["same"].append(same)
+                r["how"].append(f"launcher {code}, rank {rank_code}")
+                print(f"      {fault} run {run}: after step {reached} (aimed at {target}); node 0's launcher "
+                      f"exited {code} {took:.1f} s later (its rank: {rank_code}): "
+                      f"{(line or 'no timeout line')[:200]}; relaunch identical: {same}")  # fmt: skip
+    row(
+        "two nodes in network namespaces (accelerate launch groups, gloo over a veth pair), node 1 killed, "
+        f"hung or cut off; train.collective_timeout={COLLECTIVE_TIMEOUT}",
+        "; ".join(
+            f"{fault}: node 0 exited after {statistics.median(r['exit']):.1f} s median "
+            f"(max {max(r['exit']):.1f}; {', '.join(sorted(set(r['how'])))}), {sum(r['ok'])}/{runs} within "
+            f"{bound} s with the expected exit, {sum(r['same'])}/{runs} relaunches bit-identical"
+            for fault, r in results.items()
+        ),
+        all(all(r["ok"]) and all(r["same"]) for r in results.values()),
+    )
+
+
 # ----------------------------------------------------------------------------------- malformed input
 MALFORMED: dict[str, bytes] = {
     "bad JSON": b'{"sentence1": "a", "sentence2": ',
@@ -1043,7 +1174,7 @@ def main() -> int:
         nargs="*",
         default=[],
         help="only these rows (checkpoint shards preprocess gzip augment training malformed nonfinite "
-        "nonfinite-stop spike disk-checkpoint disk-stages teacher; default: all)",
+        "nonfinite-stop spike disk-checkpoint disk-stages teacher netns; default: all)",
     )
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -1065,6 +1196,7 @@ def main() -> int:
             "disk-checkpoint": lambda: disk_full_checkpoints(work, 2 if args.quick else 5, rng),
             "disk-stages": lambda: disk_full_stages(work, 2 if args.quick else 3, rng),
             "teacher": lambda: teacher_kills(work, 2 if args.quick else 3, rng),
+            "netns": lambda: netns_faults(work, 1 if args.quick else 3, rng),
         }
         unknown = set(args.rows) - set(rows)
         if unknown:
