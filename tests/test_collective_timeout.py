@@ -117,6 +117,36 @@ def test_other_errors_are_not_taken_for_a_collective_failure():
     assert failure_kind(ValueError("timeout")) is None
 
 
+def test_a_rendezvous_that_never_completes_is_one_too():
+    import torch.distributed as tdist
+
+    joined = tdist.DistStoreError("Timed out after 3 seconds waiting for clients. 1/2 clients joined.")
+    assert failure_kind(joined) == "timed out"  # no process group yet: only the rendezvous raises these
+
+
+def test_a_rank_whose_peers_never_arrive_exits_76_at_start_up(tmp_path):
+    """One of two ranks started: the rendezvous times out before anything is built."""
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        str(PROJECT_ROOT / "launch" / "pretrain.py"),
+        "--config",
+        str(DEBUG),
+        f"--data.shards={tmp_path / 'unused'}",
+        f"--run_dir={tmp_path / 'run'}",
+        "--train.collective_timeout=3",
+    ]
+    env = _env(port, 0)
+    proc = subprocess.run(cmd, env=env, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == EXIT_CODE_COLLECTIVE_TIMEOUT, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("collective timeout:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith("collective timeout: init_process_group (pipeline/train/build.py:"), lines[0]
+    assert "at start-up did not complete within 3 s on rank 0" in lines[0], lines[0]
+    assert f"the ranks that did not join the rendezvous at 127.0.0.1:{port} (WORLD_SIZE=2)" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("silent", [1, 0], ids=["rank1_silent", "store_host_silent"])
 def test_a_silent_rank_is_named_by_the_one_that_waits(tmp_path, silent):

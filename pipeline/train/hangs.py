@@ -95,7 +95,10 @@ def failure_kind(exc: BaseException) -> str | None:
     a traceback through it, or gloo's / NCCL's own message), so that e.g. a DataLoader's "timed out" is
     not taken for one.
     """
-    if not dist.is_dist() or not isinstance(exc, RuntimeError):
+    if not isinstance(exc, RuntimeError):
+        return None
+    # Before the process group exists only the rendezvous can fail this way (a rank never arrived).
+    if not dist.is_dist() and not isinstance(exc, getattr(tdist, "DistError", ())):
         return None
     text = str(exc).lower()
     frames = traceback.extract_tb(exc.__traceback__)
@@ -150,6 +153,10 @@ def silent_ranks(grace_s: float) -> str:
     """Which ranks do not answer through the rendezvous store within ``grace_s`` (every survivor of a
     failed collective asks at about the same moment): ``"rank 1"``, ``"ranks 1, 3"`` or a sentence
     when the store itself does not answer (its host, rank 0, is the silent one)."""
+    host = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    if not dist.is_dist():
+        world = os.environ.get("WORLD_SIZE", "?")
+        return f"the ranks that did not join the rendezvous at {host} (WORLD_SIZE={world})"
     world, me = dist.world_size(), dist.rank()
     result: dict[str, Any] = {}
 
@@ -173,7 +180,6 @@ def silent_ranks(grace_s: float) -> str:
     thread = threading.Thread(target=ask, name="silent-ranks", daemon=True)
     thread.start()
     thread.join(grace_s + 5.0)
-    host = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     if "alive" in result:
         silent = [r for r in range(world) if r not in result["alive"]]
         if not silent:
@@ -197,8 +203,9 @@ def failure_line(
     reason = reason.split("] ", 1)[-1][:200]  # gloo prefixes its source file and line
     how = f"did not complete within {timeout_s:g} s" if kind == "timed out" else "lost its peer"
     silent = silent_ranks(grace)
+    rank = dist.rank() if dist.is_dist() else os.environ.get("RANK", "?")
     return (
-        f"collective timeout: {describe_collective(exc)} {where} {how} on rank {dist.rank()} ({reason}); "
+        f"collective timeout: {describe_collective(exc)} {where} {how} on rank {rank} ({reason}); "
         f"silent: {silent}. Exiting with status {EXIT_CODE_COLLECTIVE_TIMEOUT} (requeue to resume from "
         "the newest checkpoint); check the silent rank's node and log (hung, stopped, out of memory, cut "
         "off), and raise train.collective_timeout if a rank legitimately works alone that long"
