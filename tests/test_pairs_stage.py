@@ -67,10 +67,13 @@ def test_key_text_is_normalize_text():
         "a\u0301 e\u200d\u0301",
         "",
         "  ",
+        "Ａ\u0301…",
+        "\u00a0x\u3000y",
+        "①②㍿",
+        "（你好）：“是”！",
     ]
-    texts += [
-        json.loads(line)["title"] for line in gzip.open(BUNDLED / "baike2018qa_toyhom_medical.jsonl.gz")
-    ]
+    for path in sorted(BUNDLED.glob("*.gz")):  # every text field of the bundled real records
+        texts += [v for line in gzip.open(path) for v in json.loads(line).values() if isinstance(v, str)]
     assert [key_text(t) for t in texts] == [normalize_text(t) for t in texts]
 
 
