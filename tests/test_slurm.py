@@ -206,6 +206,13 @@ def test_no_gpus_allocated_stops_at_once_with_one_line(slurm_env, tmp_path):
     assert not (run / "progress.txt").exists()  # nothing started
 
 
+def test_a_bad_max_failure_requeues_fails_with_one_line(slurm_env, tmp_path):
+    info, text, run = fake_job(slurm_env, tmp_path, "ft-badmax", ALLOW_CPU="1", MAX_FAILURE_REQUEUES="three")
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", text
+    assert "MAX_FAILURE_REQUEUES=three: use a whole number" in text
+    assert not (run / "progress.txt").exists()
+
+
 def test_a_config_error_is_not_requeued(slurm_env, tmp_path):
     # CUDA_VISIBLE_DEVICES as SLURM sets it for a GPU job: the no-GPU guard lets it through
     info, text, _ = fake_job(slurm_env, tmp_path, "ft-exit2", CUDA_VISIBLE_DEVICES="0", FAKE_EXIT="2")
