@@ -42,6 +42,16 @@ def _restore(saved: dict[str, object]) -> None:
     torch.set_grad_enabled(saved["grad enabled"])
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` tests skip, saying why, where torch sees no CUDA GPU."""
+    if torch.cuda.is_available():
+        return
+    reason = f"gpu: torch {torch.__version__} sees no CUDA GPU (CPU build, or no driver/device)"
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 @pytest.fixture(autouse=True)
 def restore_process_state(request):
     """Accelerate keeps its state in class attributes and os.environ: reset both after each test."""
