@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command (README): lint, then the whole test suite. Run `bash launch/setup.sh` first.
-# The 5 SLURM tests need a local one-node cluster: started here when this machine allows it (root, or
+# The SLURM tests need a local one-node cluster: started here when this machine allows it (root, or
 # slurm-wlm and munge already installed); otherwise they skip with the reason (under CI=true they fail).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -123,6 +123,7 @@ HARMLESS_KEYS: tuple[str, ...] = (
     "train.device",
     "train.collective_timeout",
     "train.tf32",  # GPU float32 rounding, not the recipe
+    "train.deterministic",  # GPU kernel choice (bit-exactness), not the recipe
 )
 
 
