@@ -30,14 +30,19 @@ from pipeline.errors import ConfigError
 T = TypeVar("T")
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None) -> Any:
-    """A dataclass field with a help string (shown by ``--help`` and in docs)."""
+def option(
+    default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None, saved: bool = True
+) -> Any:
+    """A dataclass field with a help string (shown by ``--help`` and in docs). ``saved=False``: a field
+    read at load only (a deprecated section its ``__post_init__`` converts), never written by
+    :func:`to_dict` nor listed by ``--help``."""
+    meta = {"help": help} if saved else {"help": help, "saved": False}
     if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata={"help": help})
+        return dataclasses.field(default_factory=factory, metadata=meta)
     if isinstance(default, (list, dict, set)):
         value = default
-        return dataclasses.field(default_factory=lambda: type(value)(value), metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
+        return dataclasses.field(default_factory=lambda: type(value)(value), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
 
 
 def _type_name(tp: Any) -> str:
@@ -147,7 +152,11 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
 def to_dict(cfg: Any) -> Any:
     """The resolved config as plain YAML/JSON-serialisable data (paths become strings)."""
     if dataclasses.is_dataclass(cfg):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        return {
+            f.name: to_dict(getattr(cfg, f.name))
+            for f in dataclasses.fields(cfg)
+            if f.metadata.get("saved", True)
+        }
     if isinstance(cfg, (list, tuple)):
         return [to_dict(v) for v in cfg]
     if isinstance(cfg, dict):
@@ -259,6 +268,8 @@ def help_lines(cls: type, prefix: str = "") -> list[str]:
     own = set(cls.__dict__.get("__annotations__", {}))
     # A class's own fields first, then those it inherits (e.g. a stage's execution options).
     for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
+        if not f.metadata.get("saved", True):
+            continue
         tp = types_[f.name]
         if dataclasses.is_dataclass(tp):
             lines.extend(help_lines(tp, f"{prefix}{f.name}."))

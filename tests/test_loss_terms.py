@@ -6,10 +6,11 @@ import logging
 import pytest
 import yaml
 
-from pipeline.config import load_config, to_dict
+from pipeline.config import help_lines, load_config, to_dict
 from pipeline.errors import ConfigError
 from pipeline.losses import trained_loss
 from pipeline.train.build import read_saved_config
+from pipeline.train.checkpoint import check_compatible
 from pipeline.train.config import PROJECT_ROOT, Config
 
 CONFIGS = PROJECT_ROOT / "launch" / "configs"
@@ -43,6 +44,14 @@ def test_an_old_config_reads_as_the_shipped_new_one(tmp_path, caplog, name, obje
         Config, CONFIGS / "debug.yaml", {"objective.name": "simcse", "objective.queue_size": 0}
     )
     assert over.loss == [{"simcse": {"temperature": 0.05}, "weight": 1.0}]
+
+
+def test_a_resolved_config_records_loss_only():
+    cfg = load_config(Config, CONFIGS / "debug.yaml", {"objective.momentum": 0.9})
+    assert cfg.loss[0]["luse"]["momentum"] == 0.9
+    assert "objective" not in to_dict(cfg)  # config.yaml and checkpoints carry `loss` only
+    usage = "\n".join(help_lines(Config))  # --help lists the new form only
+    assert "--loss " in usage and "--objective." not in usage
 
 
 def test_distillation_alone_is_one_term_with_one_view():
@@ -86,6 +95,10 @@ def test_a_checkpoint_of_an_old_config_resumes_and_its_card_names_what_was_train
     saved = yaml.safe_load(old_form(CONFIGS / "distill.yaml", {**every, **OLD_DISTILL}, tmp_path).read_text())
     new = load_config(Config, CONFIGS / "distill.yaml")
     assert read_saved_config(saved) == to_dict(new)  # so check_compatible finds no difference
+    # config.yaml of the version before this one: an `objective:` block of nulls beside `loss`
+    nulls = {**to_dict(new), "objective": {k: None for k in [*every, *OLD_DISTILL]}}
+    assert read_saved_config(nulls) == to_dict(new)
+    check_compatible(read_saved_config(nulls), to_dict(new))
     # issue 24: the distillation run's card said "objective: luse, temperature 0.05"
     card = trained_loss({"objective": {**OLD_DISTILL, "temperature": 0.05}})
     assert card["loss"] == "distill (loss: cosine)" and card["terms"] == ["distill"]

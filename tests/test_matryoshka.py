@@ -183,7 +183,7 @@ def test_a_debug_run_trains_with_the_matryoshka_term(tmp_path, tiny_shards):
 
 def test_an_old_objective_section_keeps_the_matryoshka_term():
     from pipeline.losses import TERMS
-    from pipeline.losses.terms import apply_legacy_objective
+    from pipeline.losses.legacy import apply_legacy_objective
 
     entries = [{"distill": {}, "weight": 1.0}, {"matryoshka": {"dims": [128]}, "weight": 0.5}]
     patched = apply_legacy_objective(entries, {"distill_weight": 2.0}, TERMS)

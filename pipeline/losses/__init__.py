@@ -39,7 +39,8 @@ from pipeline.losses import (
     simcse,
     sup_simcse,
 )
-from pipeline.losses.terms import Loss, StepOutput, Term, WeightedTerm, apply_legacy_objective, parse_terms
+from pipeline.losses.legacy import convert_objective, split_objective
+from pipeline.losses.terms import Loss, StepOutput, Term, WeightedTerm, parse_terms
 
 TERMS: dict[str, Term] = {
     t.name: t
@@ -69,14 +70,12 @@ def trained_loss(config: dict[str, Any]) -> dict[str, Any]:
     ``loss``: the terms as one line (``distill (loss: cosine)``, ``luse (...) + 0.1 x mlm (...)``);
     ``terms``: their names; ``objective``, ``temperature``, ``queue_size``, ``momentum``: the main term's
     (None without one). A config of an earlier version (an ``objective:`` section) is read as training
-    read it.
+    read it (:mod:`pipeline.losses.legacy`).
     """
+    config, legacy = split_objective(config)
     entries = config.get("loss") or [{"luse": {}, "weight": 1.0}]
-    legacy = {
-        k: v for k, v in (config.get("objective") or {}).items() if v is not None and k != "teacher_dim"
-    }
     if legacy:
-        entries = apply_legacy_objective(entries, legacy, TERMS)
+        entries, _ = convert_objective(entries, legacy, TERMS, warn=False)
     terms = [(next(k for k in e if k != "weight"), e) for e in entries]
     parts = []
     for name, e in terms:

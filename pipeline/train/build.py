@@ -30,6 +30,7 @@ from pipeline.devices import CudaProbe, bind_local_device, probe_cuda, resolve_d
 from pipeline.errors import ConfigError, InputError, PipelineError
 from pipeline.evaluate.sts import PairSet, read_pair_file
 from pipeline.losses import Loss
+from pipeline.losses.legacy import split_objective
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
 from pipeline.model.heads import MLMHead, TrainModule
 from pipeline.model.vocab import SCRATCH_SMALL, read_model_config, unk_rate, write_vocab
@@ -451,10 +452,10 @@ def build_checkpointer(cfg: Config, model: nn.Module) -> Checkpointer:
 
 def read_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's config as this version resolves it: an ``objective:`` section of an earlier
-    version is read into ``loss`` (as loading that config would), so such a run resumes."""
-    if not any(v is not None for v in (saved.get("objective") or {}).values()):
-        return saved
-    return to_dict(from_dict(Config, saved))
+    version is read into ``loss`` as loading that config would (:mod:`pipeline.losses.legacy`), and
+    one of nulls dropped, so such a run resumes."""
+    rest, legacy = split_objective(saved)
+    return to_dict(from_dict(Config, saved)) if legacy else rest
 
 
 def resume(cfg: Config, trainer: Trainer) -> None:

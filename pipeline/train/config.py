@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError
 from pipeline.losses import TERMS, Loss, build_loss
-from pipeline.losses.terms import HARD_NEGATIVES, MLM_LOGITS, TEACHER, apply_legacy_objective, as_entries
+from pipeline.losses.legacy import LegacyObjective, convert_objective
+from pipeline.losses.terms import HARD_NEGATIVES, MLM_LOGITS, TEACHER, as_entries
 from pipeline.shards import ShardSet
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -168,33 +167,6 @@ class ModelConfig:
                 "model.pooling: a from-scratch model has no folder to take a pooling rule from; "
                 "set --model.pooling to cls, mean or first_last_avg"
             )
-
-
-@dataclass
-class LegacyObjective:
-    """The flat ``objective:`` section of earlier versions, deprecated: every field it sets is read into
-    ``loss`` (:func:`pipeline.losses.terms.apply_legacy_objective`) with a warning that shows the new
-    form. Unset fields are empty."""
-
-    name: str | None = option(None, "Deprecated: the main loss term (luse, simcse, ...); write `loss`.")
-    temperature: float | None = option(None, "Deprecated: loss term luse/simcse/sup_simcse temperature.")
-    queue_size: int | None = option(None, "Deprecated: loss term luse queue_size.")
-    momentum: float | None = option(None, "Deprecated: loss term luse momentum.")
-    cosent_scale: float | None = option(None, "Deprecated: loss term cosent scale.")
-    num_labels: int | None = option(None, "Deprecated: loss term sbert num_labels.")
-    mlm_weight: float | None = option(None, "Deprecated: the weight of loss term mlm (0 = no such term).")
-    mlm_probability: float | None = option(None, "Deprecated: loss term mlm probability.")
-    contrastive_weight: float | None = option(None, "Deprecated: the weight of the main loss term.")
-    distill_weight: float | None = option(None, "Deprecated: the weight of loss term distill.")
-    distill_loss: str | None = option(None, "Deprecated: loss term distill loss.")
-    teacher_dim: int | None = option(None, "Deprecated: data.teacher_dim.")
-    kl_weight: float | None = option(None, "Deprecated: the weight of loss term kl.")
-    kl_teacher_temperature: float | None = option(None, "Deprecated: loss term kl teacher_temperature.")
-    kl_student_temperature: float | None = option(None, "Deprecated: loss term kl student_temperature.")
-    teacher_positive: bool | None = option(None, "Deprecated: loss term luse teacher_positive.")
-
-    def given(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items() if v is not None}
 
 
 @dataclass
@@ -379,7 +351,9 @@ class Config:
     )
     resume: str = option("auto", "auto (newest valid checkpoint in run_dir, else fresh), never, or a path.")
     objective: LegacyObjective = option(
-        factory=LegacyObjective, help="Deprecated: the old flat loss section, read into `loss`."
+        factory=LegacyObjective,
+        help="Deprecated: the old flat loss section, read into `loss` at load, never saved.",
+        saved=False,
     )
 
     def __post_init__(self) -> None:
@@ -425,23 +399,16 @@ class Config:
             )
 
     def read_legacy_objective(self) -> None:
-        """Read a deprecated ``objective:`` section (or ``--objective.*`` overrides) into ``loss``."""
+        """Read a deprecated ``objective:`` section (or ``--objective.*`` overrides) into ``loss``
+        (:func:`pipeline.losses.legacy.convert_objective`, the one reader of that section)."""
         given = self.objective.given()
         if not given:
             return
-        if "teacher_dim" in given:
-            self.data.teacher_dim = given.pop("teacher_dim")
+        self.loss, teacher_dim = convert_objective(self.loss, given, TERMS)
+        if teacher_dim is not None:
+            self.data.teacher_dim = teacher_dim
             DataConfig.__post_init__(self.data)
-        self.loss = apply_legacy_objective(self.loss, given, TERMS)
         self.objective = LegacyObjective()
-        new = yaml.safe_dump(
-            to_dict(as_entries(self.terms().terms)), default_flow_style=True, width=1000, sort_keys=False
-        )
-        log.warning(
-            "config: `objective:` is deprecated; read as `loss: %s`%s (docs/objectives.md)",
-            new.strip(),
-            " and data.teacher_dim" if self.data.teacher_dim else "",
-        )
 
     def terms(self) -> Loss:
         """The loss's weighted terms, parsed from ``loss``."""
