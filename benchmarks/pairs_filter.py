@@ -9,13 +9,16 @@ Steps (each skipped when its output exists in --scratch):
            id, source, kind, anchor, positive, and an empty ``good`` column that a person fills in
            (1 = the positive is a real answer / partner of the anchor, 0 = it is not) BEFORE the filter
            is run; the file is never overwritten
-  teacher  ``python -m pipeline teacher --model models/e5-small --pair-top-k K --pair-pool P`` on the
-           pair shards, timed (pairs per second, both sides encoded, scored and filtered)
-  report   the filter's decisions on the judged pairs (rank <= K among the pool): precision (judged
-           good among kept) and recall (kept among judged good), per source too
+  subset   the judged pairs and a seeded sample of the others, ``--subset`` per source, as one pair
+           shard (the CPU time this shared machine allows)
+  teacher  ``python -m pipeline teacher --model models/e5-small --pair-top-k 0 --pair-pool P
+           --max-length 128`` on the subset: every pair scored (``pair_rank``), timed
+  report   the filter's decision on the judged pairs for each k of ``--k`` (rank <= k): precision
+           (judged good among kept) and recall (kept among judged good), per source too; then a FLOP
+           projection to the full corpus (``benchmarks/pairs_filter_gpu.py`` measures it on a GPU)
 
     .venv/bin/python benchmarks/pairs_filter.py --stage sample           # then judge the TSV by hand
-    .venv/bin/python benchmarks/pairs_filter.py --stage report --k 2 --pool 64
+    .venv/bin/python benchmarks/pairs_filter.py --stage report --k 1,2,3,5 --pool 64
 """
 
 from __future__ import annotations

@@ -192,9 +192,10 @@ def lead(
     left out. A first sentence over the budget is returned whole (the length rule drops the pair).
     ``cut_tail``: the field was cut at a fixed length in the corpus, its unterminated last sentence
     goes."""
-    raw_cut = len(value) > RAW_SLACK * budget + 64
+    limit = int(RAW_SLACK * budget) + 64
+    raw_cut = len(value) > limit
     if raw_cut:
-        value = value[: RAW_SLACK * budget + 64]
+        value = value[:limit]
     paragraphs = cleaner.paragraphs(value)
     if first_paragraph:
         paragraphs = paragraphs[:1]
