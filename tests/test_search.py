@@ -439,3 +439,37 @@ def test_index_from_shards_and_a_checkpoint_directory(tiny_model, tmp_path, caps
     argv = ["index", str(tiny_model), "--input", str(tmp_path / "shards"), "--out", str(tmp_path / "o2")]
     assert main(argv) == 2
     assert "shard-000001.tar fails its sha256 check" in one_line_error(capsys)
+
+
+def test_corpus_gets_the_document_prompt_and_queries_the_query_prompt(tiny_model, tmp_path):
+    """e5-style folders carry two prompts: `index` encodes the corpus with `passage: `, `search` the
+    queries with `query: ` (issue 34); a folder with one prompt keeps it on both sides."""
+    from pipeline.model import SentenceEncoder
+
+    model = tmp_path / "e5like"
+    SentenceEncoder.from_pretrained(tiny_model, prefix="query: ").save_pretrained(model)
+    st_config = model / "config_sentence_transformers.json"
+    settings = json.loads(st_config.read_text())
+    st_config.write_text(json.dumps({**settings, "prompts": {"query": "query: ", "passage": "passage: "}}))
+    texts = corpus_lines(30)
+    path = tmp_path / "s.txt"
+    path.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    out = tmp_path / "idx"
+    assert main(["index", str(model), "--input", str(path), "--out", str(out), "--progress", "false"]) == 0
+    info = json.loads((out / "manifest.json").read_text())["model"]
+    assert info["prefix"] == "query: " and info["document_prefix"] == "passage: "
+    index = SearchIndex.load(out, device="cpu")
+    encoder = SentenceEncoder.from_pretrained(model)
+    stored = index.vectors(np.arange(len(texts)))
+    as_documents = SentenceEncoder.from_pretrained(model, prefix="passage: ").encode(texts)
+    assert np.abs(stored - as_documents).max() <= 1e-5
+    assert np.abs(index.embed(texts[:3], document=True) - as_documents[:3]).max() <= 1e-5
+    assert np.abs(index.embed(texts[:3]) - encoder.encode(texts[:3])).max() <= 1e-5  # queries: query prompt
+    assert np.abs(encoder.encode(texts[:3]) - as_documents[:3]).max() > 1e-3  # the prompts differ
+
+    # one prompt (no document prompt in the folder): both sides as before
+    plain = tmp_path / "idx_plain"
+    argv = ["index", str(tiny_model), "--input", str(path), "--out", str(plain), "--progress", "false"]
+    assert main(argv) == 0
+    info = json.loads((plain / "manifest.json").read_text())["model"]
+    assert info["document_prefix"] == info["prefix"]

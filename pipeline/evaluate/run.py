@@ -71,6 +71,17 @@ class Config:
         None, "Override the text prefix put before every sentence (empty = the folder's rule)."
     )
     progress: bool = option(True, "Show progress bars while encoding.")
+    retrieval: list[Path] = option(
+        factory=list,
+        help="Query -> document pair files scored as retrieval (recall@10, nDCG@10, MRR@10; the distinct "
+        "documents are the corpus): JSON lines (.gz allowed) with --retrieval-fields, or query<TAB>document.",
+    )
+    retrieval_fields: str = option("query,desc", "QUERY_FIELD,DOCUMENT_FIELD of --retrieval JSON lines.")
+    document_prefix: str | None = option(
+        None,
+        "Prompt before the documents of --retrieval (empty = the folder's document prompt, e5's 'passage: ', "
+        "else the query prefix); queries get the query prefix.",
+    )
     # `--dims 384,256,128,64` arrives as one string and `--dims 128` as an int: parsed in __post_init__
     dims: list[int | str] | int = option(
         factory=list,
@@ -100,6 +111,12 @@ class Config:
         if self.uniformity_pairs < 1:
             raise ConfigError("--uniformity-pairs must be >= 1")
         self.dims = parse_dims(self.dims, "--dims")
+        if len(self.retrieval_fields.split(",")) != 2:
+            raise ConfigError(
+                f"--retrieval-fields {self.retrieval_fields!r}: give QUERY_FIELD,DOCUMENT_FIELD"
+            )
+        if self.retrieval and not self.model:
+            raise ConfigError("--retrieval needs a MODEL_OR_CHECKPOINT")
 
 
 def parse_dims(values: list[int | str] | int, flag: str) -> list[int]:
@@ -275,7 +292,7 @@ def run(cfg: Config) -> int:
         "config": to_dict(cfg),
     }
     sts: dict[str, Any] = {"sets": [s.name for s in sets], "pairs": {s.name: len(s) for s in sets}}
-    needs_model = bool({"sts", "align", "probe"} & set(cfg.suite))
+    needs_model = bool({"sts", "align", "probe"} & set(cfg.suite)) or bool(cfg.retrieval)
     if needs_model and resolved is not None:
         encoder = resolve.load_encoder(resolved, cfg.device, cfg.pooling, cfg.prefix)
         result["model"].update(
@@ -314,6 +331,8 @@ def run(cfg: Config) -> int:
             )
         if cfg.dims and {"sts", "probe"} & set(cfg.suite):
             result["dims"] = evaluate_dims(encode, sets, cfg, encoder.dim)
+        if cfg.retrieval:
+            result["retrieval"] = evaluate_retrieval(encoder, resolved, cfg)
     if "tfidf" in cfg.suite:
         sts["tfidf"] = evaluate_tfidf(sets)
     if any(k in sts for k in ("model", "tfidf")):
@@ -321,8 +340,54 @@ def run(cfg: Config) -> int:
     result["seconds"] = round(time.perf_counter() - start, 1)
     write_result(result, out_dir)
     print(result_markdown(result))
+    for name, scores in (result.get("retrieval") or {}).items():
+        print(f"retrieval {name}: recall@10 {scores['recall@10']:.2f}, nDCG@10 {scores['ndcg@10']:.2f} "
+              f"({scores['queries']} queries, {scores['documents']} documents)")  # fmt: skip
     print(f"wrote {out_dir / 'eval.json'} and {out_dir / 'eval.md'} in {result['seconds']} s")
     return 0
+
+
+def evaluate_retrieval(encoder: Any, resolved: Any, cfg: Config) -> dict[str, Any]:
+    """Each --retrieval file: queries with the query prefix against documents with the document prompt."""
+    from pipeline.evaluate.retrieval import make_set, read_pairs, score_retrieval
+    from pipeline.model.rules import read_rule
+
+    if cfg.document_prefix is not None:
+        document_prefix = cfg.document_prefix
+    elif cfg.prefix is not None:  # an explicit prefix replaces the folder's rule, both sides
+        document_prefix = encoder.prefix
+    else:
+        folder = resolved.skeleton_dir or resolved.model_dir or resolved.spec
+        found = read_rule(folder).document_prefix if folder else None
+        document_prefix = encoder.prefix if found is None else found
+    query_prefix = encoder.prefix
+    query_field, document_field = cfg.retrieval_fields.split(",")
+    out: dict[str, Any] = {}
+    for path in cfg.retrieval:
+        data = read_pairs(path, query_field.strip(), document_field.strip())
+        if cfg.max_pairs is not None and len(data.queries) > cfg.max_pairs:  # seeded, as the pair sets
+            keep = np.sort(
+                np.random.default_rng(cfg.seed).choice(len(data.queries), cfg.max_pairs, replace=False)
+            )
+            data = make_set(data.name, [(data.queries[i], data.documents[data.gold[i]]) for i in keep])
+
+        def encode_with(prefix: str, desc: str) -> Any:
+            def encode(texts: Any) -> np.ndarray:
+                own, encoder.prefix = encoder.prefix, prefix
+                try:
+                    return encoder.encode(
+                        list(texts), batch_size=cfg.batch_size, progress=cfg.progress, desc=desc
+                    )
+                finally:
+                    encoder.prefix = own
+
+            return encode
+
+        scores = score_retrieval(
+            encode_with(query_prefix, "queries"), encode_with(document_prefix, "documents"), data
+        )
+        out[data.name] = {**scores, "query_prefix": query_prefix, "document_prefix": document_prefix}
+    return out
 
 
 def write_result(result: dict[str, Any], out_dir: Path) -> None:

@@ -187,11 +187,19 @@ def unrelated_cosines(encoder: Any, seed: int, pairs: int = 200) -> dict[str, fl
 def folder_prompts(encoder: Any, origin: Any) -> dict[str, str]:
     """The prompts the export writes: the init's (query and document) when the encoder's prefix is its
     query prompt, else the encoder's prefix alone (an explicit --prefix, or an init without prompts)."""
+    from pipeline.export.origin import document_prompt
+
     if not encoder.prefix:
         return {}
-    if origin.prompts.get("query") == encoder.prefix:
-        return dict(origin.prompts)
-    return {"query": encoder.prefix}
+    if origin.prompts.get("query") != encoder.prefix:
+        return {"query": encoder.prefix}
+    prompts = dict(origin.prompts)
+    document = document_prompt(prompts)
+    if document is not None and "document" not in prompts:
+        # sentence-transformers 6.2's encode_document applies a "document" prompt but, measured here, not
+        # e5's "passage" one (it encodes without a prompt): carry both names
+        prompts["document"] = document
+    return prompts
 
 
 def run(cfg: Config) -> int:
@@ -251,6 +259,10 @@ def run(cfg: Config) -> int:
         if cfg.verify:
             error = verify_folder(encoder, tmp)
             log.info("reloaded export matches the encoder (max |diff| %.1e)", error)
+        for weights in tmp.rglob("*.safetensors"):
+            weights.chmod(0o644)  # safetensors writes owner-only files; an export is meant to be shared
+        for weights in tmp.rglob("*.safetensors"):
+            weights.chmod(0o644)  # safetensors writes owner-only files; an export is meant to be shared
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

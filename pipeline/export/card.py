@@ -704,7 +704,7 @@ def onnx_lines(onnx: dict[str, Any], name: str) -> list[str]:
         )
         + "\n",
         '```python\nmodel = SentenceTransformer("' + name + '", backend="onnx", '
-        'model_kwargs={"file_name": "onnx/model_qint8_avx512_vnni.onnx"})\n```\n',
+        f'model_kwargs={{"file_name": "{onnx["files"][-1]["file"]}"}})\n```\n',
         "Without torch (numpy, tokenizers and onnxruntime only): `pipeline/export/onnx_encode.py` of the "
         "sentence_pretrain project, `OnnxEncoder(folder).encode(texts)`.\n",
     ]

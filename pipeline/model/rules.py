@@ -7,7 +7,9 @@ Two folder layouts carry a rule (read in this order, the first one found wins):
   [Normalize] -> [Dense] -> [Normalize]; a Dense is linear, identity or tanh activation, as the export's
   whitening writes it), the Pooling module's ``config.json`` (``pooling_mode_*`` flags or ``pooling_mode``),
   ``sentence_bert_config.json`` (``max_seq_length``) and ``config_sentence_transformers.json``
-  (``prompts[default_prompt_name]`` is the prefix ``SentenceTransformer.encode`` puts before each text).
+  (``prompts[default_prompt_name]`` is the prefix ``SentenceTransformer.encode`` puts before each text;
+  a ``document``, ``passage`` or ``corpus`` prompt, in that order, is the document prefix that
+  ``encode_document`` puts before corpus texts: e5's ``passage: ``).
 
 A folder with neither has no rule: callers must then be told the pooling explicitly, never guess it.
 Hub names are read the same way through the Hugging Face cache (offline: only what is cached).
@@ -33,6 +35,7 @@ SUPPORTED_MODULES = ("Transformer", "WeightedLayerPooling", "Pooling", "Normaliz
 # What may follow the Pooling module: a Dense (a linear map such as whitening) with Normalize around it
 HEADS = ((), ("Normalize",), ("Dense",), ("Normalize", "Dense"), ("Dense", "Normalize"),
          ("Normalize", "Dense", "Normalize"))  # fmt: skip
+DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # sentence-transformers' encode_document order
 DENSE_ACTIVATIONS = {
     "torch.nn.modules.linear.Identity": "identity",
     "torch.nn.modules.activation.Tanh": "tanh",
@@ -58,6 +61,7 @@ class ModelRule:
     dense_dir: str = ""  # sub-folder of a Dense module after pooling ("" = none)
     dense_activation: str = "identity"  # identity or tanh
     normalize_before_dense: bool = False  # a Normalize between Pooling and the Dense
+    document_prefix: str | None = None  # the corpus-side prompt (e5: "passage: "); None = the folder has none
 
 
 def _is_local(name_or_dir: str | Path) -> bool:
@@ -209,6 +213,7 @@ def _sentence_transformers_rule(name_or_dir: str | Path, modules_file: Path) -> 
                     f"{st_config}: default_prompt_name {name!r} is not one of the prompts {list(prompts)}"
                 )
             prefix = str(prompts[name] or "")
+    document_prefix = _document_prompt(name_or_dir)
     if prefix and pooling_config.get("include_prompt") is False:
         raise InputError(
             f"{folder}: include_prompt=false (prompt tokens left out of pooling) is not supported"
@@ -227,8 +232,23 @@ def _sentence_transformers_rule(name_or_dir: str | Path, modules_file: Path) -> 
         )
     return ModelRule(
         pooling, max_length, prefix, normalize, transformer_dir, "sentence-transformers",
-        dense_dir, activation, head[:2] == ("Normalize", "Dense"),
+        dense_dir, activation, head[:2] == ("Normalize", "Dense"), document_prefix,
     )  # fmt: skip
+
+
+def _document_prompt(name_or_dir: str | Path, query_prefix: str | None = None) -> str | None:
+    """The folder's corpus-side prompt from ``config_sentence_transformers.json``, or None.
+
+    With ``query_prefix`` (encoder.json's prefix), only if the file's query prompt is that prefix: a
+    sentence-transformers file left over from another rule does not lend its document prompt.
+    """
+    st_config = _find(name_or_dir, ST_CONFIG)
+    if st_config is None:
+        return None
+    prompts = _read_json(st_config).get("prompts") or {}
+    if query_prefix is not None and prompts.get("query", query_prefix) != query_prefix:
+        return None
+    return next((str(prompts[name]) for name in DOCUMENT_PROMPTS if name in prompts), None)
 
 
 def _dense_activation(config: dict[str, Any], folder: Path) -> str:
@@ -281,6 +301,7 @@ def read_rule(name_or_dir: str | Path) -> ModelRule:
             meta.get("prefix", ""),
             bool(meta.get("normalize", True)),
             source=ENCODER_FILE,
+            document_prefix=_document_prompt(name_or_dir, meta.get("prefix", "")),
         )
     modules_file = _find(name_or_dir, ST_MODULES)
     if modules_file is not None:

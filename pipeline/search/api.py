@@ -8,7 +8,8 @@ for hit in index.search(["北京今天的天气"], k=5)[0]:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,9 +149,15 @@ class SearchIndex:
             )
 
     # ---------------------------------------------------------------------------------- queries
-    def embed(self, texts: Sequence[str], batch_size: int = 128) -> np.ndarray:
-        """Texts as vectors in the index space (encoded, reduced, normalised): (N, dim) float32."""
-        x = self.encoder.encode(list(texts), batch_size=batch_size)
+    def embed(self, texts: Sequence[str], batch_size: int = 128, document: bool = False) -> np.ndarray:
+        """Texts as vectors in the index space (encoded, reduced, normalised): (N, dim) float32.
+
+        Queries by default (the index's query prefix); ``document=True`` encodes them as the corpus was
+        (its document prompt, e.g. e5's ``passage: ``), for comparing texts with the indexed ones.
+        """
+        prefix = self.manifest["model"].get("document_prefix") if document else None
+        with with_prefix(self.encoder, prefix):
+            x = self.encoder.encode(list(texts), batch_size=batch_size)
         return self.reduction.apply(x) if self.reduction is not None else x
 
     def search_vectors(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -182,3 +189,16 @@ class SearchIndex:
         except RuntimeError:
             faiss.extract_index_ivf(self.index).make_direct_map()
             return self.index.reconstruct_batch(rows)
+
+
+@contextmanager
+def with_prefix(encoder: Any, prefix: str | None) -> Iterator[Any]:
+    """``encoder`` with ``prefix`` put before every text for the block (None: leave its own)."""
+    if prefix is None:
+        yield encoder
+        return
+    own, encoder.prefix = encoder.prefix, prefix
+    try:
+        yield encoder
+    finally:
+        encoder.prefix = own

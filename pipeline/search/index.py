@@ -1,5 +1,10 @@
 """``python -m pipeline index MODEL --input SENTENCES --out INDEX_DIR``: embed a corpus into a faiss index.
 
+The corpus is encoded with the model's document prompt (e5's ``passage: ``, from the folder's
+``config_sentence_transformers.json``) and queries with its query prompt, as the model was trained for
+retrieval; a folder with one prompt encodes both sides with it. The manifest records both
+(``model.prefix``, ``model.document_prefix``).
+
 Encoding is restartable by chunk (see :mod:`pipeline.search.chunks`): rerunning the same command
 after a crash encodes only the missing chunks and produces the same index as an uninterrupted run.
 """
@@ -21,6 +26,7 @@ from pipeline.errors import ConfigError, InputError
 from pipeline.evaluate.resolve import Resolved
 from pipeline.io import atomic_write_json, atomic_write_parquet
 from pipeline.search import layout
+from pipeline.search.api import with_prefix
 from pipeline.search.backend import build_index, default_nlist, faiss_module, write_index
 from pipeline.search.chunks import ChunkStore
 from pipeline.search.corpus import Corpus, read_corpus
@@ -48,7 +54,14 @@ class Config:
         None, "Override the model's pooling (empty = the folder's rule; needed for a folder without one)."
     )
     prefix: str | None = option(
-        None, "Override the text prefix put before every sentence (empty = the folder's)."
+        None,
+        "Override the query prefix (empty = the folder's default prompt); without --document-prefix the "
+        "corpus gets it too, as before prompts had two sides.",
+    )
+    document_prefix: str | None = option(
+        None,
+        "Prompt put before every corpus text (empty = the folder's document prompt, e5's 'passage: ', "
+        "else the query prefix). Queries keep the query prefix.",
     )
     device: str = option(
         "auto", "Torch device for encoding: auto (cuda if available), cpu, cuda, cuda:1, ..."
@@ -111,6 +124,20 @@ def load_encoder(
     return encoder, resolved
 
 
+def document_prefix(resolved: Resolved, encoder: Any, cfg: Config) -> str:
+    """The corpus side's prompt: --document-prefix, else the folder's document prompt (unless --prefix
+    overrides the folder's rule), else the query prefix (a folder with one prompt, as before)."""
+    if cfg.document_prefix is not None:
+        return cfg.document_prefix
+    if cfg.prefix is not None:
+        return encoder.prefix
+    from pipeline.model.rules import read_rule
+
+    folder = resolved.skeleton_dir or resolved.model_dir or resolved.spec
+    found = read_rule(folder).document_prefix if folder else None
+    return encoder.prefix if found is None else found
+
+
 def encode_chunks(
     encoder: Any, corpus: Corpus, store: ChunkStore, batch_size: int, show_progress: bool = True
 ) -> None:
@@ -170,6 +197,7 @@ def run(cfg: Config) -> int:
     encoder, resolved = load_encoder(cfg.model, cfg.max_length, cfg.device, cfg.pooling, cfg.prefix)
     clear_out(out)  # only now that the input and the model are known to be good
     n, dim = len(corpus.texts), encoder.dim
+    corpus_prefix = document_prefix(resolved, encoder, cfg)
     model_dir = resolved.skeleton_dir or resolved.model_dir  # where encoder.json lives
     model_info = {
         "ref": cfg.model,
@@ -178,13 +206,15 @@ def run(cfg: Config) -> int:
         "weights_sha256": layout.model_fingerprint(resolved.model_dir),
         "pooling": encoder.pooling,
         "max_length": encoder.max_length,
-        "prefix": encoder.prefix,
+        "prefix": encoder.prefix,  # the query side; `search` encodes queries with it
+        "document_prefix": corpus_prefix,  # the corpus side (the document prompt)
         "dim": dim,
     }
     state = {"texts_sha256": corpus.fingerprint(), "rows": n, "chunk_size": cfg.chunk_size,
              "batch_size": cfg.batch_size, "model": model_info}  # fmt: skip
     store = ChunkStore(out / layout.WORK_DIR, n, cfg.chunk_size, state)
-    encode_chunks(encoder, corpus, store, cfg.batch_size, cfg.progress)
+    with with_prefix(encoder, corpus_prefix):
+        encode_chunks(encoder, corpus, store, cfg.batch_size, cfg.progress)
 
     sample = np.sort(np.random.default_rng(cfg.seed).choice(n, size=min(n, cfg.fit_sample), replace=False))
     reduction: Reduction | None = None

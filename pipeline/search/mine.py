@@ -110,7 +110,7 @@ def mine_negatives(
     for start in progress.bar(iterable=batches, desc="mine", unit="batch", disable=not show_progress):
         batch = pairs[start : start + search_batch]
         anchors = index.embed([a for a, _ in batch], batch_size)  # (B, d)
-        positives = index.embed([p for _, p in batch], batch_size)  # (B, d)
+        positives = index.embed([p for _, p in batch], batch_size, document=True)  # (B, d), as the corpus
         _, rows = index.search_vectors(anchors, rank_end)  # (B, rank_end)
         for offset, ((anchor, positive), ranked) in enumerate(zip(batch, rows)):
             window = [int(r) for r in ranked[rank_start - 1 : rank_end] if r >= 0]
