@@ -39,10 +39,12 @@ import pyarrow as pa  # noqa: E402
 
 from pipeline.stages.pairs.passes import PAIR_SCHEMA  # noqa: E402
 
-JUDGED = REPO / "benchmarks" / "pairs_judged.tsv"
+JUDGED = REPO / "benchmarks" / "pairs_judged.tsv"  # --judged chooses another
 
 
-def corpus(scratch: Path, per_source: int) -> Path:
+def corpus(scratch: Path, per_source: int, inputs: Path | None = None) -> Path:
+    if inputs is not None:  # a corpus given as is (e.g. one converted file)
+        return inputs
     converted = scratch / "converted"
     if not converted.is_dir():
         subprocess.run(
@@ -233,8 +235,11 @@ def main() -> None:
     parser.add_argument("--subset", type=int, default=150, help="pairs per source the teacher encodes")
     parser.add_argument("--max-length", type=int, default=128, help="the teacher's token limit per side")
     parser.add_argument("--model", default=str(REPO / "models" / "e5-small"))
+    parser.add_argument("--inputs", type=Path, help="use these collection-format files as the corpus")
+    parser.add_argument("--judged", type=Path, default=JUDGED, help="the hand-judged TSV")
     args = parser.parse_args()
-    inputs = corpus(args.scratch, args.per_source)
+    globals()["JUDGED"] = args.judged
+    inputs = corpus(args.scratch, args.per_source, args.inputs)
     shards = pair_shards(args.scratch, inputs)
     if args.stage == "sample":
         sample(shards, args.judge, args.seed)
