@@ -386,3 +386,13 @@ def test_a_stopped_run_resumes_to_the_same_bytes(tmp_path):
     names = sorted(p.name for p in clean.iterdir())
     assert names == sorted(p.name for p in stopped.iterdir()) and "shard-000001.tar" in names
     assert all((clean / n).read_bytes() == (stopped / n).read_bytes() for n in names)
+
+
+def test_two_worker_processes_give_the_bytes_of_one(tmp_path):
+    inputs = [synthetic(tmp_path / "in"), BUNDLED]
+    options = dict(near_duplicates=True, pairs_per_shard=700, rows_per_block=100)
+    stage(inputs, tmp_path / "one", **options)
+    stage(inputs, tmp_path / "two", workers=2, **options)
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "two").iterdir()) and len(names) > 4
+    assert all((tmp_path / "one" / n).read_bytes() == (tmp_path / "two" / n).read_bytes() for n in names)
