@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from _common import mean_std, table
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -46,13 +47,6 @@ def collect(directory: Path, grids: dict[str, list[float]]) -> dict[tuple[str, s
     return results
 
 
-def fmt(values: list[float] | None) -> str:
-    if not values:
-        return "–"
-    std = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
-    return f"{np.mean(values):.2f} ± {std:.2f} ({len(values)})"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="NAME=DIR")
@@ -75,8 +69,7 @@ def main() -> int:
     header = ["task", "metric"]
     for name, _ in runs:
         header += [f"{name} zero-shot", f"{name} TrainBERT", f"{name} FreezeBERT"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "|".join(" --- " for _ in header) + "|")
+    rows = []
     for task_name, task in tasks.items():
         row = [task_name, METRIC[task.kind]]
         for name, directory in runs:
@@ -88,10 +81,11 @@ def main() -> int:
             )
             row += [
                 zero,
-                fmt(found[name].get((task_name, "train"))),
-                fmt(found[name].get((task_name, "freeze"))),
+                mean_std(found[name].get((task_name, "train")), count=True),
+                mean_std(found[name].get((task_name, "freeze")), count=True),
             ]
-        print("| " + " | ".join(row) + " |")
+        rows.append(row)
+    print(table(header, rows))
     return 0
 
 

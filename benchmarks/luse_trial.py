@@ -25,6 +25,8 @@ import re
 from pathlib import Path
 
 import numpy as np
+from _common import mean_std as fmt
+from _common import stats, table
 
 STS_SETS = ["ATEC", "BQ", "LCQMC", "PAWSX", "STS-B", "avg5"]
 REGIMES = {"train": "TrainBERT", "freeze": "FreezeBERT"}
@@ -60,29 +62,12 @@ def load(runs: Path) -> dict[str, dict[str, dict]]:
     return {name: arm for name, arm in arms.items() if arm["seeds"]}
 
 
-def mean_std(values: list[float] | None) -> tuple[float, float] | None:
-    if not values:
-        return None
-    arr = np.asarray(values, dtype=float)
-    return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
-
-
-def fmt(values: list[float] | None) -> str:
-    stats = mean_std(values)
-    return "–" if stats is None else f"{stats[0]:.2f} ± {stats[1]:.2f}"
-
-
 def verdict(arm: list[float] | None, ref: list[float] | None) -> tuple[str, float] | None:
-    a, r = mean_std(arm), mean_std(ref)
+    a, r = stats(arm), stats(ref)
     if a is None or r is None:
         return None
     diff, bar = a[0] - r[0], max(a[1], r[1])
     return ("better" if diff > bar else "worse" if diff < -bar else "level"), diff
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def main() -> int:

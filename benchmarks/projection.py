@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import fmt
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipeline.resources import SAMPLE_CORPUS
@@ -575,12 +576,6 @@ def inputs_table(args: argparse.Namespace, stats: LengthStats, padding: PaddingR
             "memory-bound layernorm/softmax, launch overhead): a guess, not a measurement",
         ),
     }
-
-
-def fmt(x: float) -> str:
-    if float(x).is_integer():
-        return f"{int(x):,}"
-    return f"{x:.4g}"
 
 
 def duration(hours: float) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from _common import config_loss, loss_override, luse_fields, mean_std, overridden_loss, quiet_env
+from _common import table as markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,16 +58,11 @@ class Condition:
 
 
 def luse(name: str, label: str, k: int, d: int, queue: int, momentum: float) -> Condition:
+    fields = {**luse_fields(config_loss(DEFAULT_CONFIG)), "queue_size": queue, "momentum": momentum}
     return Condition(
         name,
         label,
-        (
-            "--objective.name=luse",
-            f"--data.num_variants={k}",
-            f"--data.num_dropout_views={d}",
-            f"--objective.queue_size={queue}",
-            f"--objective.momentum={momentum}",
-        ),
+        (f"--data.num_variants={k}", f"--data.num_dropout_views={d}", loss_override({"luse": fields})),
         views=1 + k + d,
         momentum_forward=momentum > 0,
     )
@@ -76,11 +73,11 @@ def default_condition() -> Condition:
     import yaml
 
     cfg = yaml.safe_load(DEFAULT_CONFIG.read_text(encoding="utf-8"))
-    data, objective = cfg.get("data", {}), cfg.get("objective", {})
+    data = cfg.get("data", {})
     views = 1 + data.get("num_variants", 4) + data.get("num_dropout_views", 1)
     return Condition(
         "default", "default config (README main job)", views=views,
-        momentum_forward=objective.get("momentum", 0) > 0,
+        momentum_forward=luse_fields(cfg.get("loss")).get("momentum", 0) > 0,
     )  # fmt: skip
 
 
@@ -91,7 +88,7 @@ def all_conditions() -> dict[str, Condition]:
         Condition(
             "simcse",
             "unsup. SimCSE (2 dropout views)",
-            ("--objective.name=simcse", "--objective.queue_size=0", "--objective.momentum=0"),
+            (loss_override({"simcse": {}}),),
             views=2,
         ),
         luse("luse", "LUSE k=4 EDA + 1 dropout view", 4, 1, 0, 0.0),
@@ -113,32 +110,29 @@ def luse_views(k: int, d: int) -> tuple[str, ...]:
 
 def student_conditions() -> dict[str, Condition]:
     """The distillation study (issue 15): a 4-layer cut of e5-small, the 12-layer teacher beside it."""
-    off = ("--objective.distill_weight=0",)
+    distill = {"distill": {"loss": "cosine"}}  # launch/configs/distill.yaml's term
     rows = [
         Condition("tfidf", "char TF-IDF (no training)", kind="tfidf"),
         Condition("init", "student init: e5-small layers 0,4,8,11, trimmed vocab", kind="model"),
         Condition("teacher", "teacher: e5-small, 12 layers", kind="model"),
-        student("s_simcse", "unsup. SimCSE", 2, "--objective.name=simcse", "--objective.contrastive_weight=1",
-                *off),  # fmt: skip
-        student("s_luse", "LUSE k=2 EDA + 1 dropout view", 4, *luse_views(2, 1),
-                "--objective.contrastive_weight=1", *off),  # fmt: skip
+        student("s_simcse", "unsup. SimCSE", 2, loss_override({"simcse": {}})),
+        student("s_luse", "LUSE k=2 EDA + 1 dropout view", 4, *luse_views(2, 1), loss_override({"luse": {}})),
         student("s_distill", "embedding distillation (cosine) alone = main job", 1),
         student("s_distill_lr1e-4", "distillation at the previous recipe: lr 1e-4, dropout 0.1, fp32", 1,
                 "--optim.lr=1e-4", "--model.dropout=0.1", "--train.mixed_precision=no"),  # fmt: skip
         student("s_distill_bucketed", "distillation, length-bucketed batches", 1,
                 "--data.length_bucketing=true"),  # fmt: skip
         student("s_luse_bucketed", "LUSE k=2 EDA + 1 dropout view, length-bucketed batches", 4,
-                *luse_views(2, 1), "--objective.contrastive_weight=1", *off,
-                "--data.length_bucketing=true"),  # fmt: skip
-        student("s_kl", "in-batch similarity KL alone", 1, *off, "--objective.kl_weight=1"),
-        student("s_distill_kl", "distillation + KL", 1, "--objective.kl_weight=1"),
+                *luse_views(2, 1), loss_override({"luse": {}}), "--data.length_bucketing=true"),  # fmt: skip
+        student("s_kl", "in-batch similarity KL alone", 1, loss_override({"kl": {}})),
+        student("s_distill_kl", "distillation + KL", 1, loss_override(distill, {"kl": {}})),
         student("s_luse_distill", "LUSE + distillation", 4, *luse_views(2, 1),
-                "--objective.contrastive_weight=1"),  # fmt: skip
+                loss_override({"luse": {}}, distill)),  # fmt: skip
         student("s_luse_tpos", "LUSE + distillation + teacher as a positive", 4, *luse_views(2, 1),
-                "--objective.contrastive_weight=1", "--objective.teacher_positive=true"),  # fmt: skip
+                loss_override({"luse": {"teacher_positive": True}}, distill)),  # fmt: skip
         # 4 mined hard negatives per sentence are encoded too: 2 + 1 + 1 views + 4 = 8 sequences a sentence
         student("s_luse_distill_hn", "LUSE + distillation + 4 mined hard negatives", 8, *luse_views(2, 1),
-                "--objective.contrastive_weight=1", "--data.num_hard_negatives=4"),  # fmt: skip
+                loss_override({"luse": {}}, distill), "--data.num_hard_negatives=4"),  # fmt: skip
         student("s_scratch_distill", "distillation into the student's architecture, random init", 1,
                 "--model.random_init=true"),  # fmt: skip
         # issue 25: the main job's row on the same teacher vectors stored as int8 + a per-row scale
@@ -176,22 +170,13 @@ def batch_for(args: argparse.Namespace, cond: Condition) -> int:
     return args.sequences // cond.views
 
 
-def quiet_env() -> dict[str, str]:
-    # One BLAS thread per run: two runs side by side on 2 cores beat one run with 2 threads.
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-
-
 def train_command(
     args: argparse.Namespace, cond: Condition, seed: int, out: Path, steps: int, equal_compute: bool = True
 ) -> list[str]:
     """The pretrain command of one run; ``equal_compute=False`` keeps the config's own batch."""
     batch = batch_for(args, cond) if equal_compute else None
-    queue = [o for o in cond.overrides if o.startswith("--objective.queue_size=")]
-    if batch and queue and int(queue[0].split("=")[1]) % batch:
+    queue = luse_fields(overridden_loss(cond.overrides)).get("queue_size", 0)
+    if batch and queue and queue % batch:
         raise SystemExit(f"{cond.name}: queue is not a multiple of its batch {batch}; change --sequences")
     return [
         sys.executable,
@@ -305,23 +290,11 @@ def scores(out: Path, cond: Condition) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------ tables
-def mean_std(values: list[float], digits: int = 2) -> str:
-    values = [v for v in values if v == v]
-    if not values:
-        return "–"
-    if len(values) < 2:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
-
-
 def table(
     results: dict[str, list[dict[str, float]]], conditions: dict[str, Condition], args: argparse.Namespace
 ) -> str:
     cols = ["avg5", *STS_SETS, "probe_acc", "avg5_last", "probe_acc_last", "best_step", "loss", "uniformity"]
-    lines = [
-        "| condition | batch × views | seeds | " + " | ".join(cols) + " |",
-        "| --- " * (len(cols) + 3) + "|",
-    ]
+    lines = []
     for name, rows in results.items():
         cond = conditions[name]
         shape = f"{batch_for(args, cond)} × {cond.views}" if cond.views else "–"
@@ -334,8 +307,8 @@ def table(
                 cells.append("/".join(f"{v:.0f}" for v in values if v == v) or "–")
             else:
                 cells.append(mean_std(values, 3 if c in ("loss", "uniformity") else 2))
-        lines.append(f"| {cond.label} | {shape} | {len(rows)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append([cond.label, shape, str(len(rows)), *cells])
+    return markdown_table(["condition", "batch × views", "seeds", *cols], lines)
 
 
 # --------------------------------------------------------------------------------------- whitening

@@ -54,6 +54,7 @@ import pyarrow as pa
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+from _common import table as markdown_table  # noqa: E402
 from preprocess import PeakRSS, make_corpus  # noqa: E402  (the shared corpus generator)
 
 from pipeline.shards import (  # noqa: E402
@@ -419,7 +420,7 @@ def train_config(work: Path, shards: Path, model: Path, run_dir: Path) -> Path:
             "num_workers": 2,
         },
         "model": {"name_or_path": str(model), "pooling": "cls"},
-        "objective": {"name": "luse", "temperature": 0.05, "queue_size": 256, "momentum": 0.995},
+        "loss": [{"luse": {"temperature": 0.05, "queue_size": 256, "momentum": 0.995}}],
         "optim": {"lr": 1e-4, "warmup_steps": 10},
         "train": {"global_batch_size": 64, "max_steps": 10**7, "log_every": 1, "eval_every": 0, "cpu": True},
         "checkpoint": {"every_steps": 20, "every_minutes": 0},
@@ -619,7 +620,7 @@ def part_array(n: int, work: Path, results: Results) -> None:
 
 
 # ------------------------------------------------------------------------------------------ table
-def table(results: Results, bandwidth: float, rows_per_s: float) -> None:
+def report(results: Results, bandwidth: float, rows_per_s: float) -> None:
     rows = results.read()
     if not rows:
         print("no results yet")
@@ -632,8 +633,7 @@ def table(results: Results, bandwidth: float, rows_per_s: float) -> None:
     for key, by_n in runs.items():  # repeated figures (``--sizes 1M,110M,1M,110M``): their median
         metrics[key] = {n: {**found[-1], "value": statistics.median(r["value"] for r in found),
                             "repeats": len(found)} for n, found in by_n.items()}  # fmt: skip
-    print(f"\n| part | cost | unit | {' | '.join(label(n) for n in sizes)} | growth exponent |")
-    print(f"| --- | --- | --- |{' --- |' * len(sizes)} --- |")
+    lines = []
     for (part, metric), by_n in metrics.items():
         cells = [_cell(by_n[n]) if n in by_n else "" for n in sizes]
         have = sorted(by_n)
@@ -642,7 +642,9 @@ def table(results: Results, bandwidth: float, rows_per_s: float) -> None:
             slope = math.log(by_n[have[-1]]["value"] / by_n[have[0]]["value"]) / math.log(have[-1] / have[0])
             exponent = f"{slope:+.2f}"
         unit = next(iter(by_n.values()))["unit"]
-        print(f"| {part} | {metric.strip()} | {unit} | {' | '.join(cells)} | {exponent} |")
+        lines.append([part, metric.strip(), unit, *cells, exponent])
+    header = ["part", "cost", "unit", *(label(n) for n in sizes), "growth exponent"]
+    print("\n" + markdown_table(header, lines))
     starts = metrics.get(("train", "block index bytes per row"), {})
     manifests = metrics.get(("train", "manifest bytes"), {})
     shard_bytes = metrics.get(("train", "shard bytes per row"), {})
@@ -716,7 +718,7 @@ def main() -> None:
                 part_train(n, args.work, results, args.teacher_max, args.keep, args.reuse)
             if "array" in parts:
                 part_array(n, args.work, results)
-    table(results, args.bandwidth, args.rows_per_s)
+    report(results, args.bandwidth, args.rows_per_s)
 
 
 if __name__ == "__main__":

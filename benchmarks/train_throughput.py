@@ -137,7 +137,7 @@ def bench_ours(shards: Path, model_dir: Path, run_dir: Path, args: argparse.Name
         "data.max_length": args.max_length,
         "data.num_workers": args.num_workers,
         "model.name_or_path": str(model_dir),
-        "objective.queue_size": 0,
+        "loss": [{"luse": {"queue_size": 0}}],
         "train.global_batch_size": args.batch,
         "train.max_steps": args.steps + args.warmup,
         "train.cpu": True,

@@ -20,5 +20,6 @@ def benchmark_module(name: str) -> Iterator[ModuleType]:
     module = importlib.util.module_from_spec(spec)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, name, module)  # dataclasses look their module up by name
+        mp.syspath_prepend(str(BENCHMARKS))  # as `python benchmarks/X.py` has it: `from _common import ...`
         spec.loader.exec_module(module)
         yield module

@@ -71,6 +71,15 @@ def make_shards(
 DEBUG_CONFIG = Path(__file__).resolve().parents[1] / "launch" / "configs" / "debug.yaml"
 
 
+def debug_luse(**fields) -> list[dict]:
+    """debug.yaml's ``loss`` (one luse term) with ``fields`` of the luse term changed, e.g.
+    ``{"loss": debug_luse(momentum=0.9)}``."""
+    import yaml
+
+    (term,) = yaml.safe_load(DEBUG_CONFIG.read_text(encoding="utf-8"))["loss"]
+    return [{"luse": {**term["luse"], **fields}}]
+
+
 def debug_config(tmp_path: Path, shards: Path, **overrides):
     """launch/configs/debug.yaml on ``shards`` with its run directory in ``tmp_path``, then ``overrides``."""
     from pipeline.config import load_config

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from _train_data import debug_config, full_and_resumed, run_and_dump
+from _train_data import debug_config, debug_luse, full_and_resumed, run_and_dump
 
 from pipeline.train.determinism import CUBLAS_WORKSPACE, enable_determinism
 
@@ -98,7 +98,7 @@ def test_on_cpu_the_weights_equal_a_run_without_it_and_its_resume_is_exact(
     restore_switches, tmp_path, tiny_shards
 ):
     shards = tiny_shards([[40, 24], [32]], num_variants=3)
-    common = {"objective.momentum": 0.9, "train.debug_dump": True, "train.eval_max_pairs": 16}
+    common = {"loss": debug_luse(momentum=0.9), "train.debug_dump": True, "train.eval_max_pairs": 16}
 
     def cfg(run_dir, steps, deterministic):
         overrides = {**common, "run_dir": str(run_dir), "train.max_steps": steps}

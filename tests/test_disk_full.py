@@ -164,7 +164,8 @@ def test_training_stops_with_one_line_and_resumes_exactly_once_space_is_freed(
         return [
             "--config", str(PROJECT_ROOT / "launch" / "configs" / "debug.yaml"), f"--data.shards={shards}",
             f"--run_dir={run_dir}", "--train.max_steps=6", "--checkpoint.every_steps=2",
-            "--objective.momentum=0.9", "--train.debug_dump=true", "--train.eval_max_pairs=16",
+            "--loss=[{luse: {temperature: 0.05, queue_size: 32, momentum: 0.9}}]",
+            "--train.debug_dump=true", "--train.eval_max_pairs=16",
         ]  # fmt: skip
 
     def dump(run_dir):

@@ -175,7 +175,7 @@ def test_config_allows_one_view_only_without_the_contrastive_term(tmp_path):
     }
     with pytest.raises(ConfigError, match="at least one positive"):
         load_config(Config, None, base)
-    alone = {"objective.contrastive_weight": 0, "objective.distill_weight": 1}
+    alone = {"loss": [{"distill": {}}]}
     cfg = load_config(Config, None, {**base, **alone})
     assert cfg.num_views() == 1
 

@@ -49,7 +49,7 @@ def build_fake_run(run_dir: Path, model_dir: Path, steps: tuple[int, ...] = (10,
     checkpoints = run_dir / "checkpoints"
     config = (
         "data:\n  shards: data/augmented\n  num_variants: 4\n  num_dropout_views: 1\n"
-        "objective:\n  name: luse\n  temperature: 0.05\n  queue_size: 4096\n  momentum: 0.999\n"
+        "loss:\n  - luse: {temperature: 0.05, queue_size: 4096, momentum: 0.999}\n"
         "train:\n  max_steps: 20\n  global_batch_size: 64\n"
     )
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _train_data import debug_config, full_and_resumed, run_and_dump
+from _train_data import debug_config, debug_luse, full_and_resumed, run_and_dump
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def gpu_cfg(tmp_path, shards, name, **overrides):
         "train.cpu": False,
         "train.mixed_precision": "bf16",
         "optim.fused": True,
-        "objective.momentum": 0.9,
+        "loss": debug_luse(momentum=0.9),
         "train.max_steps": 6,
         "train.log_every": 3,
         "train.debug_dump": True,

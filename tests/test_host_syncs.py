@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
-from _train_data import debug_config
+from _train_data import debug_config, debug_luse
 from test_nonfinite import Poison
 
 from pipeline.data.stream import BatchStream
@@ -31,7 +31,7 @@ def cfg_for(tmp_path, shards, name, **overrides):
     base = {
         "train.max_steps": STEPS,
         "train.log_every": LOG_EVERY,
-        "objective.momentum": 0.9,  # a momentum encoder and a queue
+        "loss": debug_luse(momentum=0.9),  # a momentum encoder and a queue
         "optim.fused": True,  # the guard's verdict stays on the device
         "train.debug_dump": True,
         "train.eval_max_pairs": 16,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _train_data import debug_config
+from _train_data import debug_config, debug_luse
 
 from pipeline.train import loop
 from pipeline.train.build import build
@@ -16,7 +16,7 @@ def shards(tiny_shards):
 
 
 def one_step(tmp_path, shards, **overrides):
-    t = build(debug_config(tmp_path, shards, **{"objective.momentum": 0.9, **overrides}))
+    t = build(debug_config(tmp_path, shards, **{"loss": debug_luse(momentum=0.9), **overrides}))
     batch = next(iter(t.stream))
     out = loop.train_step(t, batch)
     return t, batch, out

@@ -48,7 +48,10 @@ def test_deepspeed_and_accelerate_files_parse():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("--objective.queue_size=20", "queue size 20 must be a multiple of the global batch (16"),
+        (
+            "--loss=[{luse: {temperature: 0.05, queue_size: 20, momentum: 0.0}}]",
+            "queue size 20 must be a multiple of the global batch (16",
+        ),
         ("--data.num_variants=3", "data.num_variants=3 but the shards in"),
         ("--train.grad_accum_steps=3", "must be divisible by train.grad_accum_steps (3)"),
     ],

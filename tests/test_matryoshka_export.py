@@ -45,7 +45,6 @@ def test_truncate_dim_in_sentence_transformers_equals_our_encoder(tiny_model, tm
 def test_card_lists_the_run_s_trained_dims_with_their_scores(tiny_model, tmp_path):  # noqa: F811
     run = build_fake_run(tmp_path / "run", tiny_model)
     config = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
-    config.pop("objective")
     config["loss"] = [
         {"distill": {"loss": "cosine"}, "weight": 1.0},
         {

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from _train_data import debug_config, full_and_resumed, sample_sentences
+from _train_data import debug_config, debug_luse, full_and_resumed, sample_sentences
 from safetensors import safe_open
 
 from pipeline.config import load_config
@@ -148,8 +148,11 @@ def shards(tiny_shards):
     return tiny_shards([[32]], num_variants=2)  # 32 sentences: two batches an epoch, repeated
 
 
+MLM = {"mlm": {}, "weight": 0.5}
+
+
 def debug_cfg(tmp_path, shards, **overrides):
-    base = {"train.eval_max_pairs": 16, "objective.mlm_weight": 0.5}
+    base = {"train.eval_max_pairs": 16, "loss": [*debug_luse(), MLM]}
     return debug_config(tmp_path, shards, **{**base, **overrides})
 
 
@@ -206,7 +209,7 @@ def test_debug_run_logs_both_losses_learns_and_exports_no_head(tmp_path, shards)
 @pytest.mark.slow
 def test_resume_with_mlm_is_exact(tmp_path, shards):
     """3 steps, stop, resume to 6 == 6 steps uninterrupted, with the MLM head and masks in play."""
-    common = {"objective.momentum": 0.9, "train.debug_dump": True}
+    common = {"loss": [*debug_luse(momentum=0.9), MLM], "train.debug_dump": True}
 
     def make_cfg(run_dir, steps):
         return debug_cfg(tmp_path, shards, **{**common, "run_dir": str(run_dir), "train.max_steps": steps})

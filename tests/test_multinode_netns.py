@@ -109,7 +109,8 @@ def node_env(nodes: TwoNodes, node: int) -> dict[str, str]:
 def train_args(setup, run_dir: Path) -> list[str]:
     return [
         "--config", str(DEBUG), f"--data.shards={setup['shards']}", f"--run_dir={run_dir}",
-        f"--train.max_steps={STEPS}", "--checkpoint.every_steps=2", "--objective.momentum=0.9",
+        f"--train.max_steps={STEPS}", "--checkpoint.every_steps=2",
+        "--loss=[{luse: {temperature: 0.05, queue_size: 32, momentum: 0.9}}]",
         "--train.eval_max_pairs=32", "--train.debug_dump", "--data.length_bucketing=false",
         f"--train.collective_timeout={COLLECTIVE_TIMEOUT}",
     ]  # fmt: skip

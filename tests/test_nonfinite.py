@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from _train_data import debug_config
+from _train_data import debug_config, debug_luse
 
 from pipeline.train import guard, loop
 from pipeline.train.checkpoint import Checkpointer, verify_checkpoint
@@ -39,7 +39,7 @@ class Poison:
 def cfg_for(tmp_path, shards, name, **overrides):
     base = {
         "train.max_steps": 8,
-        "objective.momentum": 0.9,  # a momentum encoder and a queue, both must stay untouched
+        "loss": debug_luse(momentum=0.9),  # a momentum encoder and a queue, both must stay untouched
         "train.debug_dump": True,
         "train.eval_max_pairs": 16,
         "run_dir": str(tmp_path / name),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import yaml
 from _scripts import benchmark_module
 
 
@@ -34,7 +35,8 @@ def test_every_trained_condition_encodes_the_same_sequences_per_step(quality, tm
         assert batch * cond.views == args.sequences, cond.name
         assert _option(command, "train.max_steps") == "200"
     simcse = quality.all_conditions()["simcse"]
-    assert _option(quality.train_command(args, simcse, 1, tmp_path, 10), "objective.name") == "simcse"
+    command = quality.train_command(args, simcse, 1, tmp_path, 10)
+    assert yaml.safe_load(_option(command, "loss")) == [{"simcse": {}}]
     assert simcse.views == 2
 
 
@@ -45,6 +47,9 @@ def test_the_default_condition_follows_the_shipped_config(quality):
     default = quality.all_conditions()["default"]
     assert default.views == 1 + cfg["data"]["num_variants"] + cfg["data"]["num_dropout_views"]
     assert default.overrides == ()  # the README's configuration as it is
+    # its luse term's momentum encoder adds a key forward per step (issue 33: read from `loss`)
+    (term,) = cfg["loss"]
+    assert term["luse"]["momentum"] > 0 and default.momentum_forward
 
 
 def test_a_queue_that_is_not_a_multiple_of_the_batch_is_refused(quality, tmp_path):

@@ -83,7 +83,7 @@ def train_args(setup, run_dir: Path, steps: int = STEPS) -> list[str]:
         f"--run_dir={run_dir}",
         f"--train.max_steps={steps}",
         "--checkpoint.every_steps=2",
-        "--objective.momentum=0.9",
+        "--loss=[{luse: {temperature: 0.05, queue_size: 32, momentum: 0.9}}]",
         "--train.eval_max_pairs=32",
         "--train.debug_dump",
     ]

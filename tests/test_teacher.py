@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 import torch
 from _tiny_models import build_char_encoder
-from _train_data import debug_config
+from _train_data import debug_config, debug_luse
 
 from pipeline.errors import ConfigError, InputError
 from pipeline.resources import sample_sentences
@@ -298,14 +298,13 @@ def test_trainer_checks_the_teacher(tmp_path, taught, shards, teacher_dir):
     cfg = debug_config(tmp_path, taught, **{"data.teacher": "another-teacher"})
     with pytest.raises(ConfigError, match="another-teacher"):
         batches_carry_teacher(cfg)
-    assert batches_carry_teacher(debug_config(tmp_path, taught, **{"objective.distill_weight": 1.0}))
+    assert batches_carry_teacher(debug_config(tmp_path, taught, **{"loss": [*debug_luse(), {"distill": {}}]}))
     assert not batches_carry_teacher(debug_config(tmp_path, taught))
-    wide = {"data.teacher": "tiny-teacher", "objective.distill_weight": 1.0, "objective.teacher_dim": 384}
+    wide = {"data.teacher": "tiny-teacher", "loss": [*debug_luse(), {"distill": {}}], "data.teacher_dim": 384}
     with pytest.raises(ConfigError, match="teacher_dim=384 but .* has 24 dimensions"):
         batches_carry_teacher(debug_config(tmp_path, taught, **wide))
     with pytest.raises(ConfigError, match="pair file"):
-        debug_config(tmp_path, taught, **{"data.teacher": "x", "objective.name": "cosent",
-                                          "objective.queue_size": 0, "objective.momentum": 0.0,
+        debug_config(tmp_path, taught, **{"data.teacher": "x", "loss": [{"cosent": {}}],
                                           "data.supervised_file": str(tmp_path / "p.tsv")})  # fmt: skip
 
 
@@ -349,7 +348,7 @@ def test_training_steps_on_teacher_shards(tmp_path, taught):
 
     cfg = debug_config(tmp_path, taught, **{
         "data.teacher": "tiny-teacher", "data.num_hard_negatives": 2, "data.num_workers": 0,
-        "objective.distill_weight": 1.0, "objective.teacher_dim": 24, "objective.queue_size": 0,
+        "loss": [*debug_luse(queue_size=0), {"distill": {}}], "data.teacher_dim": 24,
     })  # fmt: skip
     t = build(cfg)
     batch = next(iter(t.stream))

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from _train_data import debug_config, make_shards
+from _train_data import debug_config, debug_luse, make_shards
 from test_teacher import BLOCKS, MINE, build_teacher, table, teach
 
 from pipeline.errors import ConfigError, InputError
@@ -155,8 +155,8 @@ def test_both_dtypes_give_the_same_training_batches(sets, tmp_path):
     batches = {}
     for dtype in ("fp16", "int8"):
         cfg = debug_config(tmp_path / dtype, sets[dtype], **{
-            "data.teacher": "tiny-teacher", "data.num_workers": 0, "objective.distill_weight": 1.0,
-            "objective.teacher_dim": DIM, "objective.queue_size": 0,
+            "data.teacher": "tiny-teacher", "data.num_workers": 0, "data.teacher_dim": DIM,
+            "loss": [*debug_luse(queue_size=0), {"distill": {}}],
         })  # fmt: skip
         t = build(cfg)
         batch = next(iter(t.stream))

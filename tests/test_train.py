@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from _train_data import debug_config, full_and_resumed, sample_sentences
+from _train_data import debug_config, debug_luse, full_and_resumed, sample_sentences
 
 from pipeline.config import load_config
 from pipeline.model import SentenceEncoder
@@ -113,11 +113,12 @@ def test_distillation_hard_negatives_and_teacher_queue_in_train_step(tmp_path, s
     from pipeline.train.loop import train_step
 
     overrides = {
-        "objective.queue_size": 16,
-        "objective.distill_weight": 1.0,
-        "objective.kl_weight": 0.5,
-        "objective.teacher_positive": True,
-        "objective.teacher_dim": 12,
+        "loss": [
+            *debug_luse(queue_size=16, teacher_positive=True),
+            {"distill": {}, "weight": 1.0},
+            {"kl": {}, "weight": 0.5},
+        ],
+        "data.teacher_dim": 12,
         "train.grad_accum_steps": 2,
     }
     t = build(debug_cfg(tmp_path, shards, **overrides))
@@ -143,9 +144,8 @@ def test_distillation_hard_negatives_and_teacher_queue_in_train_step(tmp_path, s
 def test_grad_accumulation_and_simcse_run(tmp_path, shards):
     from pipeline.train.run import run
 
-    cfg = debug_cfg(
-        tmp_path, shards, **{"train.max_steps": 3, "train.grad_accum_steps": 2, "objective.queue_size": 8}
-    )
+    over = {"train.max_steps": 3, "train.grad_accum_steps": 2, "loss": debug_luse(queue_size=8)}
+    cfg = debug_cfg(tmp_path, shards, **over)
     assert run(cfg) == 0
     steps = [r for r in read_metrics(cfg.run_dir) if "loss" in r]
     assert len(steps) == 3 and all(math.isfinite(r["loss"]) for r in steps)
@@ -155,7 +155,7 @@ def test_grad_accumulation_and_simcse_run(tmp_path, shards):
     cfg = debug_cfg(
         tmp_path / "s",
         shards,
-        **{"objective.name": "simcse", "objective.queue_size": 0, "train.max_steps": 3},
+        **{"loss": [{"simcse": {}}], "train.max_steps": 3},
     )
     assert run(cfg) == 0
 
@@ -173,7 +173,7 @@ def test_gradcache_matches_the_plain_step(tmp_path, shards, dropout):
     cfg = debug_cfg(
         tmp_path,
         shards,
-        **{"model.dropout": dropout, "objective.queue_size": 0, "train.gradcache_chunk_size": 20},
+        **{"model.dropout": dropout, "loss": debug_luse(queue_size=0), "train.gradcache_chunk_size": 20},
     )
     t = build(cfg)
     batch = next(iter(t.stream))
@@ -225,14 +225,12 @@ def test_supervised_objectives_train(tmp_path, objective):
 
     f = _pairs_file(tmp_path / "data.tsv", triples=objective == "sup_simcse")
     over = {
-        "objective.name": objective,
-        "objective.queue_size": 0,
+        "loss": [{objective: {"num_labels": 5} if objective == "sbert" else {}}],
         "data.shards": None,
         "data.supervised_file": str(f),
         "train.max_steps": 4,
         "run_dir": str(tmp_path / "run"),
         "train.eval_max_pairs": 32,
-        "objective.num_labels": 5,
     }
     cfg = load_config(Config, DEBUG, over)
     assert run(cfg) == 0
@@ -244,7 +242,7 @@ def test_supervised_objectives_train(tmp_path, objective):
 @pytest.mark.slow
 def test_resume_continues_exactly(tmp_path, shards):
     """3 steps, stop, resume to 6 == 6 steps uninterrupted (queue, momentum encoder, cursor, RNG)."""
-    common = {"objective.momentum": 0.9, "train.debug_dump": True, "train.eval_max_pairs": 16}
+    common = {"loss": debug_luse(momentum=0.9), "train.debug_dump": True, "train.eval_max_pairs": 16}
 
     def make_cfg(run_dir, steps):
         return debug_cfg(tmp_path, shards, **{**common, "run_dir": str(run_dir), "train.max_steps": steps})
