@@ -386,12 +386,12 @@ def _run_in_worker(job: ShardJob) -> dict[str, Any]:
     )
 
 
-def _process(cfg: Config, jobs: list[ShardJob], device: str, encoder: Any) -> None:
+def _process(cfg: Config, jobs: list[ShardJob], device: str, encoder: Any, sides: int = 1) -> None:
     def run_here(jobs: list[ShardJob], report: Any) -> None:
         for job in jobs:
             encode_shard(job, encoder, cfg, precision_for(device, cfg.bf16), report)
 
-    total = sum(job.entry["sentences"] for job in jobs)
+    total = sides * sum(job.entry["sentences"] for job in jobs)  # sides: 2 for pairs (both encoded)
     threads = max(1, (os.cpu_count() or 1) // min(cfg.workers, len(jobs)))  # the workers share the cores
     initargs = (cfg, device, threads)
     process_shards(
@@ -538,6 +538,6 @@ def run(cfg: Config) -> int:
         elif jobs:
             if cfg.workers > 1 and len(jobs) > 1:
                 encoder = None  # the workers load their own
-            _process(cfg, jobs, device, encoder)
+            _process(cfg, jobs, device, encoder, sides=2 if stage == "pairs" else 1)
     finalize(cfg, in_manifest, fingerprint)
     return 0
