@@ -91,8 +91,8 @@ def onnx(args: argparse.Namespace) -> None:
     fp32 = OnnxEncoder(folder, ONNX_FILE, threads=args.threads)
     int8 = OnnxEncoder(folder, INT8_FILE, threads=args.threads)
     sentences = corpus_sentences(args.sentences, args.seed + 7)
-    reference = pt.encode(sentences, batch_size=64)
-    for name, enc in (("onnx fp32", fp32), ("onnx int8", int8)):
+    reference = pt.encode(sentences, batch_size=64) if "cosine" in args.parts else None
+    for name, enc in (("onnx fp32", fp32), ("onnx int8", int8)) if reference is not None else ():
         cos = (enc.encode(sentences, batch_size=64) * reference).sum(axis=1)
         print(
             json.dumps(
@@ -107,27 +107,35 @@ def onnx(args: argparse.Namespace) -> None:
             flush=True,
         )
 
-    sets = load_sts_sets(list(STS_SETS))
-    if args.max_pairs:
-        sets = [s.subsample(args.max_pairs, args.seed) if hasattr(s, "subsample") else s for s in sets]
-    for name, embed in (
-        ("pytorch fp32", lambda t: pt.encode(list(t), batch_size=64)),
-        ("onnx fp32", lambda t: fp32.encode(list(t), batch_size=64)),
-        ("onnx int8", lambda t: int8.encode(list(t), batch_size=64)),
-    ):
-        scores = {s.name: spearman100(embed_pair_set(embed, s).cosines(), s.labels) for s in sets}
-        scores["avg5"] = float(np.mean(list(scores.values())))
-        print(
-            json.dumps(
-                {
-                    "what": "STS Spearman x100",
-                    "model": name,
-                    "pairs": {s.name: len(s) for s in sets},
-                    **scores,
-                }
-            ),
-            flush=True,
-        )
+    if "speed" in args.parts:
+        speed(args, pt, fp32, int8)
+    if "sts" in args.parts:
+        sets = load_sts_sets(list(STS_SETS))
+        if args.max_pairs:
+            sets = [s.subsample(args.max_pairs, args.seed) if hasattr(s, "subsample") else s for s in sets]
+        for name, embed in (
+            ("onnx fp32", lambda t: fp32.encode(list(t), batch_size=64)),
+            ("onnx int8", lambda t: int8.encode(list(t), batch_size=64)),
+        ):
+            scores = {s.name: spearman100(embed_pair_set(embed, s).cosines(), s.labels) for s in sets}
+            scores["avg5"] = float(np.mean(list(scores.values())))
+            print(
+                json.dumps(
+                    {
+                        "what": "STS Spearman x100",
+                        "model": name,
+                        "pairs": {s.name: len(s) for s in sets},
+                        **scores,
+                    }
+                ),
+                flush=True,
+            )
+
+
+def speed(args: argparse.Namespace, pt, fp32, int8) -> None:
+    import torch
+
+    from pipeline.evaluate.run import corpus_sentences
 
     texts = corpus_sentences(args.speed_sentences, args.seed + 11)
 
@@ -190,6 +198,7 @@ def main() -> None:
     o.add_argument("--rounds", type=int, default=3)
     o.add_argument("--threads", type=int, default=2)
     o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--parts", default="cosine,speed,sts", help="which measurements, in this order")
     args = parser.parse_args()
     {"retrieval": retrieval, "onnx": onnx}[args.command](args)
 

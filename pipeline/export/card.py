@@ -197,8 +197,8 @@ def fmt_number(value: Any) -> str:
         if value.is_integer() and abs(value) < 1e15:
             return f"{int(value):,}"
         if abs(value) < 1e-3 or abs(value) >= 1e6:
-            mantissa, exponent = f"{value:.3g}".split("e") if "e" in f"{value:.3g}" else (f"{value:.3g}", "0")
-            return f"{mantissa}e{int(exponent)}"
+            mantissa, exponent = f"{value:.2e}".split("e")
+            return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
         return f"{value:.4g}"
     if isinstance(value, (list, tuple)):
         return ", ".join(fmt_number(v) for v in value)

@@ -65,6 +65,7 @@ def check_card(text: str) -> dict:
     """
     import logging
 
+    import yaml
     from huggingface_hub import ModelCard
     from huggingface_hub.repocard_data import model_index_to_eval_results
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -84,7 +85,7 @@ def check_card(text: str) -> dict:
         metadata = card.data.to_dict()
         if "model-index" in metadata:
             model_index_to_eval_results(metadata["model-index"])
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, yaml.YAMLError) as exc:
         raise InputError(f"the model card's metadata would be rejected: {str(exc).splitlines()[0]}") from None
     finally:
         hub_log.removeHandler(handler)
