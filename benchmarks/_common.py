@@ -12,8 +12,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,15 +62,11 @@ def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 
 
 # ------------------------------------------------------------------------------------------- timing
-@contextmanager
-def stopwatch() -> Iterator[list[float]]:
-    """``with stopwatch() as took: ...`` then ``took[0]`` is the wall time in seconds."""
-    took = [0.0]
-    start = time.perf_counter()
-    try:
-        yield took
-    finally:
-        took[0] = time.perf_counter() - start
+def timed(fn: Callable[[], Any]) -> float:
+    """Wall seconds of ``fn()``."""
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
 
 
 # ------------------------------------------------------------------------------------------ runs

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
+from _common import timed
 
 from pipeline.search.backend import ChunkedExactSearch, faiss_module
 
@@ -27,12 +27,6 @@ PCIE5_X16 = 50e9  # bytes/s, a realistic host-to-device rate (64 GB/s nominal)
 def unit_rows(n: int, d: int, seed: int) -> np.ndarray:
     x = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
     return x / np.linalg.norm(x, axis=1, keepdims=True)
-
-
-def timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
 
 
 def main() -> None:

@@ -32,7 +32,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import config_loss, loss_override, luse_fields, mean_std, overridden_loss, quiet_env
+from _common import (
+    config_loss,
+    loss_override,
+    luse_fields,
+    mean_std,
+    overridden_loss,
+    pretrain_command,
+    quiet_env,
+)
 from _common import table as markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,15 +186,11 @@ def train_command(
     queue = luse_fields(overridden_loss(cond.overrides)).get("queue_size", 0)
     if batch and queue and queue % batch:
         raise SystemExit(f"{cond.name}: queue is not a multiple of its batch {batch}; change --sequences")
-    return [
-        sys.executable,
-        str(ROOT / "launch" / "pretrain.py"),
-        "--config",
-        str(cond.config),
+    return pretrain_command(
+        cond.config,
+        out,
         f"--data.shards={int8_shards(args) if cond.int8_teacher else args.shards}",
         *([f"--model.name_or_path={args.student}"] if cond.config == STUDENT_CONFIG else []),
-        f"--run_dir={out}",
-        "--resume=never",
         f"--train.seed={seed}",
         f"--train.max_steps={steps}",
         *([f"--train.global_batch_size={batch}", f"--train.eval_every={args.eval_every}"] if batch else []),
@@ -195,7 +199,7 @@ def train_command(
         "--data.num_workers=1",
         *(f"--{o.removeprefix('--')}" for o in getattr(args, "set", None) or ()),
         *cond.overrides,
-    ]
+    )
 
 
 def eval_command(
