@@ -2,7 +2,7 @@
 
 The heads are trained and checkpointed but never exported with the encoder: the sbert objective's
 classifier (:class:`SoftmaxHead`, pipeline/losses/sbert_softmax.py), the distillation projection
-(:func:`projection_head`, pipeline/losses/objective.py) and the auxiliary MLM head (:class:`MLMHead`,
+(:func:`projection_head`, pipeline/losses/terms.py) and the auxiliary MLM head (:class:`MLMHead`,
 pipeline/losses/mlm.py).
 """
 
@@ -51,7 +51,7 @@ class MLMHead(nn.Module):
 
 class TrainModule(nn.Module):
     """What DDP/DeepSpeed wrap: the encoder plus, for the sbert objective, its classifier head, and
-    with ``objective.mlm_weight`` the MLM head (:class:`MLMHead`; trained, never exported)."""
+    with an ``mlm`` loss term the MLM head (:class:`MLMHead`; trained, never exported)."""
 
     def __init__(
         self, encoder: SentenceEncoder, head: nn.Module | None = None, mlm_head: nn.Module | None = None
