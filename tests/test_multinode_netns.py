@@ -17,8 +17,8 @@ two-node run: every logged loss, every batch's sample ids, both ranks' parameter
 and data cursor, and the saved model file (sha256).
 
 The uninterrupted run and the three faulted ones run at the same time, each on a namespace pair of its
-own (the same addresses, isolated from each other), so the 30 s waits overlap: 2 min 39 s for the
-module on this 2-core machine at load average 12-15 (one after another: 5 min 5 s).
+own (the same addresses, isolated from each other), so the 30 s waits overlap: about half the wall
+time of one after another (docs/fault_tolerance.md has the times).
 
 Needs root, iproute2 and veth support; skips with the reason elsewhere, and fails instead under
 ``CI=true`` (CI runs as root and must exercise it), as the SLURM tests do.
