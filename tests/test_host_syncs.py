@@ -134,3 +134,46 @@ def test_a_nan_step_found_at_the_log_step_is_skipped_and_taken_back(tmp_path, sh
 
     weights = load_file(tmp_path / "nan" / "model" / "model.safetensors")
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_under_deepspeed_bf16_nothing_waits_between_forward_and_backward(tmp_path, shards, monkeypatch):
+    """ZeRO-2 bf16 skips a step with non-finite gradients itself: the guard reads the loss after the
+    engine's backward and step (no sync before the backward), and still counts the NaN batch's skip."""
+    import socket
+
+    from accelerate import Accelerator
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    order = []
+    verdict, backward = loop.step_verdict, Accelerator.backward
+    monkeypatch.setattr(
+        loop, "step_verdict", lambda loss, norm: order.append("verdict") or verdict(loss, norm)
+    )
+    monkeypatch.setattr(
+        Accelerator,
+        "backward",
+        lambda self, loss, **kw: order.append("backward") or backward(self, loss, **kw),
+    )
+    overrides = {
+        "train.deepspeed_config": "launch/deepspeed/zero2.json",
+        "train.mixed_precision": "bf16",
+        "train.max_steps": 5,
+        "train.log_every": 1,
+        "optim.fused": False,
+    }
+    code, dump = train(cfg_for(tmp_path, shards, "ds", **overrides), Poison([(0, 3)]))
+    assert code == 0 and dump["step"] == 5
+    assert order == ["backward", "verdict"] * 6  # 5 applied steps and the skipped one
+    records = [json.loads(line) for line in (tmp_path / "ds" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["batch"]) for r in records if r.get("event") == "nonfinite_skip"] == [(0, 3)]
+    from safetensors.torch import load_file
+
+    assert all(
+        torch.isfinite(w).all() for w in load_file(tmp_path / "ds" / "model" / "model.safetensors").values()
+    )

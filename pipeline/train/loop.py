@@ -199,18 +199,42 @@ def optimizer_step(t: Trainer, skip: torch.Tensor | None) -> None:
 def deepspeed_step(t: Trainer, loss: torch.Tensor) -> StepCheck:
     """Backward and step of the DeepSpeed engine under the guard; the verdict on the step.
 
-    The loss is judged on every rank first (a non-finite one anywhere: no backward, no engine step, so
-    nothing moves). After the backward, the engine says whether it applied its step: DeepSpeed skips a
+    When the engine checks the gradients itself (bf16 with ``check_grad_overflow``, fp16:
+    :func:`engine_skips_overflow`) the loss is read after its backward and step, so nothing waits
+    between forward and backward. Otherwise the loss is judged on every rank first (a non-finite one
+    anywhere: no backward, no engine step, so nothing moves). After the backward, the engine says
+    whether it applied its step: DeepSpeed skips a
     step whose gradients overflow under bf16 (``bf16.check_grad_overflow``, on by default since
     0.16; the DeepSpeed configs here set it) and fp16. Under fp32 ZeRO nothing checks the gradients of
     a finite loss (DeepSpeed has no overflow check there): such a step is applied, and the checkpoint
     check (:func:`~pipeline.train.guard.first_nonfinite`) still refuses to save its result.
     """
+    if engine_skips_overflow(t.model):
+        # No sync between forward and backward: a non-finite loss anywhere makes non-finite gradients on
+        # every rank (they are all-reduced), which the engine refuses to apply. Read after its step.
+        t.accelerator.backward(loss)
+        check = step_verdict(loss.detach(), None)  # host sync, after the engine's own overflow check
+        return StepCheck(check.finite and bool(t.model.was_step_applied()), check.loss)
     check = step_verdict(loss.detach(), None)  # host sync: the loss of every rank
     if not check.finite:
         return check
     t.accelerator.backward(loss)  # the engine's backward and step
     return StepCheck(bool(t.model.was_step_applied()), check.loss)
+
+
+def engine_skips_overflow(engine: Any) -> bool:
+    """Whether the DeepSpeed engine skips a step with non-finite gradients by itself: bf16 with
+    ``bf16.check_grad_overflow`` (which the trainer sets under the guard) under ZeRO-1/2, or fp16."""
+    try:
+        if engine.fp16_enabled():
+            return True
+        return bool(
+            engine.bfloat16_enabled()
+            and engine.zero_optimization_stage() in (1, 2)
+            and engine._config.bfloat16_config.check_grad_overflow
+        )
+    except AttributeError:  # not a DeepSpeed engine, or another version's layout: judge the loss first
+        return False
 
 
 def queue_snapshot(t: Trainer) -> list[tuple[Any, dict[str, torch.Tensor]]]:
