@@ -11,11 +11,13 @@ run). After ``guard.max_nonfinite_steps`` consecutive skips the run stops with :
 :func:`first_nonfinite` is run on everything a checkpoint would hold before it is written, so a
 non-finite checkpoint is never written and never replaces a good one.
 
-Cost: one device-to-host copy of two numbers per step (the verdict and the loss), plus, with more than
-one process, one all-reduce of those two numbers, so that every rank takes the same branch. On CPU it
-is free (CPU work is synchronous anyway); on a GPU it waits for the step's kernels to finish before the
-optimizer runs, which a fp16 GradScaler does at every step too. ``guard.max_nonfinite_steps: 0``
-turns the guard (and its sync) off.
+Cost: with more than one process, one all-reduce of two numbers per step (the verdict and the loss),
+so that every rank takes the same branch. Where they are read: with fused AdamW, :func:`device_verdict`
+keeps them on the device, the optimizer skips a non-finite step on its ``found_inf`` flag, and the loop
+reads a window of verdicts at its next log step (``loop.deferred``/``loop.settle``: no host sync in
+between); otherwise :func:`step_verdict` reads them at every step, one device-to-host copy of two
+numbers (free on CPU; on a GPU it waits for the step's kernels before the optimizer runs, as a fp16
+GradScaler does). ``guard.max_nonfinite_steps: 0`` turns the guard (and its sync) off.
 
 Loss spikes (``guard.spike_factor`` > 0, off by default): when the loss stays above ``spike_factor`` x
 the median of the last ``spike_history`` applied steps' losses for ``spike_steps`` consecutive steps,
