@@ -177,7 +177,6 @@ def test_quality_trains_and_scores_one_condition(shards, tmp_path, capsys, monke
     assert "unsup. SimCSE" in out
 
 
-@pytest.mark.slow
 def test_scale_stages(tmp_path, capsys, monkeypatch):
     out = run_script("scale", "--sizes", "2k", "--parts", "preprocess", "--work", str(tmp_path / "w"),
                      capsys=capsys, monkeypatch=monkeypatch)  # fmt: skip
