@@ -4,7 +4,9 @@ One line per check, each with a verdict (``ok``, ``warn``, ``FAIL``) and, where 
 fix: Python and torch, torch's CUDA build against the driver, the GPUs and bf16, NCCL, DeepSpeed and its
 prebuilt ops, faiss, the run directory (writable, free space), and, on several SLURM tasks or with a
 rendezvous address set, whether every node sees the same run directory and reaches ``MASTER_ADDR:
-MASTER_PORT``. The exit status is 1 when a training run would fail (any FAIL), else 0.
+MASTER_PORT``, and, for gloo across nodes, that the host name does not resolve to a loopback address
+(else ``GLOO_SOCKET_IFNAME`` must name the interface). The exit status is 1 when a training run would
+fail (any FAIL), else 0.
 
     python -m pipeline doctor --run_dir /shared/runs/big
     srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=8 .venv/bin/python -m pipeline doctor --run_dir ...
@@ -306,6 +308,30 @@ def check_rendezvous(env: Mapping[str, str], task: Task, wait: float) -> Check |
     )  # fmt: skip
 
 
+def check_gloo_interface(env: Mapping[str, str], task: Task, probe: CudaProbe, device: str) -> Check | None:
+    """gloo across nodes advertises the address this host's name resolves to: a loopback one (Debian's
+    127.0.1.1 for the host name, or 127.0.0.1) makes every node connect to itself, and start-up fails
+    with a gloo traceback, at once or minutes later. GLOO_SOCKET_IFNAME names the interface to use."""
+    gloo = device == "cpu" or not probe.available
+    if task.nodes < 2 or not gloo or env.get("GLOO_SOCKET_IFNAME"):
+        return None
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError as exc:
+        return Check(
+            "gloo_iface", FAIL, f"the host name {host} does not resolve ({exc}) and GLOO_SOCKET_IFNAME is "
+            "unset: set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on (e.g. eth0, ib0)",
+        )  # fmt: skip
+    if address.startswith("127."):
+        return Check(
+            "gloo_iface", FAIL, f"gloo on {task.nodes} nodes: the host name {host} resolves to {address}, a "
+            "loopback address the other nodes cannot reach; set GLOO_SOCKET_IFNAME to the interface the "
+            "nodes reach each other on (e.g. eth0, ib0; `ip -br addr` lists them)",
+        )  # fmt: skip
+    return Check("gloo_iface", OK, f"gloo will advertise {address} ({host})")
+
+
 def _serve(server: socket.socket, wait: float) -> None:
     server.settimeout(0.5)
     deadline = time.monotonic() + wait
@@ -339,6 +365,7 @@ def run_checks(
     if task.world > 1:
         checks.append(lambda: check_shared_run_dir(cfg.run_dir, task, cfg.wait))
     checks.append(lambda: check_rendezvous(env, task, cfg.wait))
+    checks.append(lambda: check_gloo_interface(env, task, probe, cfg.device))
     results = []
     for check in checks:
         result = check()

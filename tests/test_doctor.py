@@ -16,7 +16,7 @@ import pytest
 import pipeline.doctor as doctor
 from pipeline.cli import main as cli_main
 from pipeline.devices import CudaProbe
-from pipeline.doctor import FAIL, OK, WARN, Config, Task, check_rendezvous, run_checks
+from pipeline.doctor import FAIL, OK, WARN, Config, Task, check_gloo_interface, check_rendezvous, run_checks
 from pipeline.train.config import PROJECT_ROOT
 
 GPU_VARS = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_ON_NODE", "SLURM_GPUS", "SLURM_GPUS_PER_NODE",
@@ -177,3 +177,19 @@ def test_two_nodes_with_different_run_dirs_fail(tmp_path):
     assert rc0 == 1 and rc1 == 1, (out0, out1)
     assert "does not show the tokens of task(s) 1" in out0 and "FAIL  shared_dir" in out0
     assert "task 1] FAIL  shared_dir" in out1 and "does not show the tokens of task(s) 0" in out1
+
+
+def test_gloo_across_nodes_on_a_loopback_host_name_fails_unless_an_interface_is_named(monkeypatch):
+    """Debian maps the host name to 127.0.1.1: gloo would advertise it and the nodes would not meet."""
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-a")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+    cpu = gpu_host(available=False, device_count=0)
+    two_nodes = Task(rank=0, world=2, nodes=2, tag="t")
+    check = check_gloo_interface({}, two_nodes, cpu, "auto")
+    assert check.verdict == FAIL and "node-a resolves to 127.0.1.1" in check.detail
+    assert "GLOO_SOCKET_IFNAME" in check.detail
+    assert check_gloo_interface({"GLOO_SOCKET_IFNAME": "eth0"}, two_nodes, cpu, "auto") is None
+    assert check_gloo_interface({}, Task(rank=0, world=2, nodes=1, tag="t"), cpu, "auto") is None
+    assert check_gloo_interface({}, two_nodes, gpu_host(), "auto") is None  # NCCL picks its own interface
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "10.0.0.7")
+    assert check_gloo_interface({}, two_nodes, cpu, "cpu").verdict == OK
