@@ -84,7 +84,6 @@ def test_preprocess_quality(corpus, capsys, monkeypatch):
     assert "current" in out and "kept" in out
 
 
-@pytest.mark.slow
 def test_search(capsys, monkeypatch):
     out = run_script("search", "--n", "1000", "--queries", "10", "--dim", "16", "--clusters", "20",
                      "--train-size", "1000", "--nprobe", "2", "--ef-search", "8", "--hidden", "32",
@@ -193,8 +192,8 @@ def test_preprocess(tmp_path, capsys, monkeypatch):
 @pytest.mark.slow
 def test_finetune_cost_and_compare(model, tmp_path, capsys, monkeypatch):
     out_dir = tmp_path / "ft"
-    tiny = ["--tasks=[STS-B]", "--max_train=16", "--max_dev=8", "--max_test=8", "--train_lrs=[1e-4]",
-            "--freeze_lrs=[1e-3]", "--freeze_epochs=1", "--batch_size=8"]  # fmt: skip
+    tiny = ["--tasks=[STS-B]", "--max_train=16", "--max_dev=8", "--max_test=8", "--train_lrs=[0.0001]",
+            "--freeze_lrs=[0.001]", "--freeze_epochs=1", "--batch_size=8"]  # fmt: skip
     out = run_script("finetune_cost", "--model", str(model), "--out", str(out_dir), *tiny,
                      capsys=capsys, monkeypatch=monkeypatch)  # fmt: skip
     assert "| task | regime |" in out
