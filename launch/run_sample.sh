@@ -81,5 +81,5 @@ stage report
 stage "export"
 # A sentence-transformers folder with its model card (the recipe that was trained, the table above).
 "$PY" -m pipeline export "$OUT/train" --select best --out "$OUT/model" --overwrite \
-  --eval_json "$OUT/train/eval/eval.json"
+  --eval_json "$OUT/train/eval/eval.json" --onnx-int8
 printf '\nrun_sample: the trained encoder is %s; load it with SentenceTransformer("%s")\n' "$OUT/model" "$OUT/model"

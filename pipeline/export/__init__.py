@@ -212,6 +212,10 @@ def run(cfg: Config) -> int:
 
     out = Path(cfg.out)
     prepare_out(out, cfg.overwrite)
+    if cfg.onnx:
+        from pipeline.export.onnx_export import require_onnx
+
+        require_onnx()
     token = hub.hub_token() if cfg.push_to_hub and not cfg.dry_run else None  # fail before the work
     resolved = resolve.resolve(cfg.checkpoint, cfg.select, cfg.skeleton)
     result = cards.find_eval_json(resolved, cfg.eval_json)

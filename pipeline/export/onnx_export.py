@@ -113,8 +113,18 @@ def compare(folder: Path, file_name: str, sentences: list[str], reference: np.nd
     return {"min_cosine": float(cosines.min()), "mean_cosine": float(cosines.mean())}
 
 
+def require_onnx() -> None:
+    """Fail before any work when the packages --onnx needs are missing."""
+    import importlib.util
+
+    missing = [m for m in ("onnx", "onnxruntime") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise InputError(f"--onnx needs {' and '.join(missing)}: pip install -e '.[onnx]' (or drop --onnx)")
+
+
 def write_onnx(encoder: Any, folder: Path, int8: bool, sentences: list[str]) -> dict[str, Any]:
     """ONNX (and int8) files in ``folder/onnx/``, each checked against ``encoder`` on ``sentences``."""
+    require_onnx()
     start = time.perf_counter()
     reference = encoder.encode(sentences)  # (N, dim), the PyTorch vectors, prompt included
     token_types = export_onnx(encoder, folder / ONNX_FILE)
