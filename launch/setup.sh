@@ -16,6 +16,9 @@
 #   TORCH_INDEX_URL  another index for torch (a mirror of the PyTorch index); with TORCH_CUDA the
 #                    version is pinned to +$TORCH_CUDA there too.
 #   PYTHON           the interpreter for the venv (default python3).
+#   CONSTRAINTS      the lock file every install is constrained by (default launch/constraints.txt: the
+#                    exact versions CI and the README's figures were measured with); CONSTRAINTS= (empty)
+#                    installs the newest releases pyproject.toml's ranges allow instead.
 #   DRY_RUN=1        print each command instead of running it.
 # With TORCH_CUDA, faiss-gpu's CUDA 12 runtime libraries are the ones cu126..cu129 torch already
 # uses; with cu130 pip installs the CUDA 12 ones beside torch's CUDA 13 ones (both load under one
@@ -28,6 +31,7 @@ TORCH_VERSION=2.13.0
 TORCH_CUDA=${TORCH_CUDA:-}
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-}
 DRY_RUN=${DRY_RUN:-0}
+CONSTRAINTS=${CONSTRAINTS-launch/constraints.txt}
 
 die() { echo "setup.sh: error: $*" >&2; exit 2; }
 case "$EXTRA" in cpu | gpu) ;; *) die "EXTRA=$EXTRA: use EXTRA=cpu or EXTRA=gpu" ;; esac
@@ -36,6 +40,11 @@ case "$TORCH_CUDA" in
     *) die "TORCH_CUDA=$TORCH_CUDA: use cu126, cu128, cu129, cu130 or cpu (the newest your driver runs), or TORCH_INDEX_URL" ;;
 esac
 case "$DRY_RUN" in 0 | 1) ;; *) die "DRY_RUN=$DRY_RUN: use DRY_RUN=1 or leave it unset" ;; esac
+LOCK=()
+if [ -n "$CONSTRAINTS" ]; then
+    [ -f "$CONSTRAINTS" ] || die "CONSTRAINTS=$CONSTRAINTS: no such file (CONSTRAINTS= installs unpinned)"
+    LOCK=(-c "$CONSTRAINTS")
+fi
 
 run() {
     if [ "$DRY_RUN" = 1 ]; then
@@ -46,7 +55,7 @@ run() {
 }
 
 # torch first, pinned: an unpinned or newer torch pulls a multi-GB CUDA build.
-TORCH_ARGS=("torch==$TORCH_VERSION")
+TORCH_ARGS=("${LOCK[@]}" "torch==$TORCH_VERSION")
 if [ -n "$TORCH_CUDA" ]; then
     TORCH_ARGS=(--index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/$TORCH_CUDA}"
         "torch==$TORCH_VERSION+$TORCH_CUDA")
@@ -62,7 +71,7 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 run "${PIP[@]}" "${TORCH_ARGS[@]}"
 # DeepSpeed's sdist imports torch in its build: build it against the torch installed above.
 if [ "$DRY_RUN" = 1 ] || ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
-    run "${PIP[@]}" --no-build-isolation "deepspeed>=0.17"
+    run "${PIP[@]}" "${LOCK[@]}" --no-build-isolation "deepspeed>=0.17"
 fi
 # One faiss in the venv: faiss-cpu and faiss-gpu install the same `faiss` package.
 OTHER_FAISS=(faiss-gpu faiss-gpu-cu12)
@@ -72,7 +81,7 @@ for other in "${OTHER_FAISS[@]}"; do
         run .venv/bin/python -m pip uninstall --quiet --yes "$other"
     fi
 done
-run "${PIP[@]}" -e ".[${EXTRA},test]"
+run "${PIP[@]}" "${LOCK[@]}" -e ".[${EXTRA},test]"
 
 if [ "$DRY_RUN" = 1 ]; then
     echo "dry run: nothing installed"

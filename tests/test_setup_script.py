@@ -8,6 +8,7 @@ pip, not that the index serves them.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -19,7 +20,8 @@ SCRIPT = REPO / "launch" / "setup.sh"
 
 
 def setup_sh(**env: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if k not in ("TORCH_CUDA", "TORCH_INDEX_URL", "EXTRA")}
+    unset = ("TORCH_CUDA", "TORCH_INDEX_URL", "EXTRA", "CONSTRAINTS")
+    clean = {k: v for k, v in os.environ.items() if k not in unset}
     return subprocess.run(
         ["bash", str(SCRIPT)], env={**clean, **env}, capture_output=True, text=True, timeout=60
     )
@@ -36,9 +38,10 @@ def test_default_keeps_the_pinned_torch():
     proc = setup_sh(DRY_RUN="1")
     assert proc.returncode == 0, proc.stderr
     torch_cmd, deepspeed_cmd, project_cmd = pip_installs(proc.stdout)
-    assert torch_cmd == ["torch==2.13.0"]
-    assert deepspeed_cmd == ["--no-build-isolation", "deepspeed>=0.17"]
-    assert project_cmd == ["-e", ".[cpu,test]"]
+    lock = ["-c", "launch/constraints.txt"]
+    assert torch_cmd == [*lock, "torch==2.13.0"]
+    assert deepspeed_cmd == [*lock, "--no-build-isolation", "deepspeed>=0.17"]
+    assert project_cmd == [*lock, "-e", ".[cpu,test]"]
     assert proc.stdout.rstrip().endswith("dry run: nothing installed")
 
 
@@ -49,7 +52,7 @@ def test_torch_cuda_selects_the_pytorch_index_and_pins_the_build(cuda):
     torch_cmd, _, project_cmd = pip_installs(proc.stdout)
     # the local label pins the build: no other torch 2.13.0 (a local CPU wheel, PyPI's CUDA 13) matches
     assert torch_cmd == ["--index-url", f"https://download.pytorch.org/whl/{cuda}", f"torch==2.13.0+{cuda}"]
-    assert project_cmd == ["-e", ".[gpu,test]"]
+    assert project_cmd == ["-c", "launch/constraints.txt", "-e", ".[gpu,test]"]
     assert "without TORCH_CUDA" not in proc.stderr
 
 
@@ -91,3 +94,36 @@ def test_gpu_extra_is_meta_s_faiss_gpu_wheel():
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["gpu"] == ["faiss-gpu>=1.14.3"]  # numpy>=1.25, CUDA 12.6+, sm_70-sm_90 (pyproject note)
     assert extras["cpu"][0].startswith("faiss-cpu")
+
+
+def test_constraints_can_be_turned_off_and_a_missing_file_is_refused():
+    unpinned = setup_sh(DRY_RUN="1", CONSTRAINTS="")
+    assert unpinned.returncode == 0, unpinned.stderr
+    assert all("-c" not in cmd for cmd in pip_installs(unpinned.stdout))
+    missing = setup_sh(DRY_RUN="1", CONSTRAINTS="launch/no-such-lock.txt")
+    assert missing.returncode == 2 and "CONSTRAINTS=launch/no-such-lock.txt: no such file" in missing.stderr
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_the_lock_pins_every_dependency_exactly_and_torch_without_a_build_label():
+    """Every package pyproject.toml names for the CPU install (dependencies, cpu and test extras) has
+    one exact version in launch/constraints.txt; torch's has no +cpu label, so +cuXXX builds satisfy it."""
+    import tomllib
+
+    lock = {}
+    for line in (REPO / "launch" / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version and "+" not in version, f"not an exact, label-free pin: {line}"
+            assert _name(name) not in lock, f"pinned twice: {name}"
+            lock[_name(name)] = version
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = project["dependencies"] + project["optional-dependencies"]["cpu"]
+    wanted += project["optional-dependencies"]["test"]
+    missing = sorted({_name(r) for r in wanted} - set(lock))
+    assert not missing, f"not in launch/constraints.txt: {missing} (regenerate it: see its header)"
+    assert lock["torch"] == "2.13.0"
+    assert not [n for n in lock if n.startswith("nvidia-")]
