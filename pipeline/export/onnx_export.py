@@ -102,8 +102,14 @@ def quantize_int8(source: Path, target: Path) -> None:
     """Dynamic int8 quantisation (onnxruntime): weights int8 per channel, activations uint8 at run time."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8, per_channel=True,
-                     reduce_range=False)  # fmt: skip
+    root = logging.getLogger()  # the quantizer logs a line per tensor at INFO on the root logger
+    level = root.level
+    root.setLevel(max(level, logging.WARNING))
+    try:
+        quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8, per_channel=True,
+                         reduce_range=False)  # fmt: skip
+    finally:
+        root.setLevel(level)
 
 
 def compare(folder: Path, file_name: str, sentences: list[str], reference: np.ndarray) -> dict[str, float]:
