@@ -167,7 +167,14 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer 32-wide model, batch 8: a smoke test")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument(
+        "--deterministic", action="store_true", help="train.deterministic's switches (its cost on a GPU)"
+    )
     args = parser.parse_args()
+    if args.deterministic:
+        from pipeline.train.determinism import enable_determinism
+
+        enable_determinism(True)  # before CUDA starts, as build() does
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.tiny:
         args.batch = min(args.batch, 8)
@@ -178,6 +185,7 @@ def main() -> None:
     for name in args.models:
         for seq_len in args.lengths:
             row = bench(name, TINY if args.tiny else configs[name], seq_len, args, device)
+            row["deterministic"] = args.deterministic
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.json:

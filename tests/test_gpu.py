@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +119,7 @@ def test_deterministic_resume_is_bit_exact_on_the_gpu(tmp_path, shards, one_rank
 def test_faiss_gpu_and_the_chunked_search_agree_with_the_cpu():
     from pipeline.search.backend import ChunkedExactSearch, build_index, faiss_module, gpu_available
 
+    pytest.importorskip("faiss", reason="faiss is not installed (EXTRA=gpu installs faiss-gpu)")
     rng = np.random.default_rng(0)
     corpus = rng.standard_normal((20_000, 384)).astype(np.float32)
     corpus /= np.linalg.norm(corpus, axis=1, keepdims=True)
@@ -165,19 +165,12 @@ def _timeout_worker(rank: int, port: int, out: dict) -> None:
         out[rank] = failure_kind(exc) or repr(exc)
 
 
-def test_the_collective_timeout_reaches_nccl(one_rank_nccl):
-    from pipeline.train.hangs import init_process_group
-
-    assert init_process_group("nccl", 42.0)
-    group = torch.distributed.distributed_c10d._get_default_group()
-    try:
-        timeout = group._get_backend(torch.device("cuda")).options._timeout
-    except (AttributeError, RuntimeError):
-        pytest.skip("this torch does not expose the NCCL group's options")
-    assert timeout == timedelta(seconds=42)
+def test_the_collective_timeout_reaches_nccl():
+    """Two ranks on two GPUs, the second silent: the first's collective ends at our 10 s timeout."""
     if torch.cuda.device_count() < 2:
-        pytest.skip("a silent NCCL rank needs 2 GPUs (one rank per GPU); the option above was checked")
-    torch.distributed.destroy_process_group()
+        # A world of one needs no group of ours (init_process_group returns False) and NCCL takes one
+        # rank per GPU: on one GPU (the H200 this ran on) this is skipped, and unverified on NCCL.
+        pytest.skip("an NCCL group of two ranks needs 2 GPUs (one rank per GPU)")
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
