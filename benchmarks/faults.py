@@ -339,6 +339,8 @@ def augment_kills(work: Path, runs: int, rng: random.Random) -> None:
 
 # ----------------------------------------------------------------------------------- training
 REPO = Path(__file__).resolve().parents[1]
+# debug.yaml's luse term with a momentum encoder (its default has none): the key encoder is checked too
+MOMENTUM_LOSS = "--loss=[{luse: {temperature: 0.05, queue_size: 32, momentum: 0.9}}]"
 TRAIN_STEPS = 24  # checkpoints every 2 steps; a step of the debug model takes about 0.1 s here
 
 
@@ -369,7 +371,7 @@ def launch_cmd(shards: Path, run_dir: Path, script: Path = REPO / "launch" / "pr
         "--main_process_port", str(free_port()),
         str(script), "--config", str(REPO / "launch" / "configs" / "debug.yaml"),
         f"--data.shards={shards}", f"--run_dir={run_dir}", f"--train.max_steps={TRAIN_STEPS}",
-        "--checkpoint.every_steps=2", "--objective.momentum=0.9", "--train.debug_dump",
+        "--checkpoint.every_steps=2", MOMENTUM_LOSS, "--train.debug_dump",
     ]  # fmt: skip
 
 
@@ -560,7 +562,7 @@ def guard_run(
 ) -> subprocess.CompletedProcess:
     argv = [
         "--config", str(REPO / "launch" / "configs" / "debug.yaml"), f"--data.shards={shards}",
-        f"--run_dir={run_dir}", f"--train.max_steps={GUARD_STEPS}", "--objective.momentum=0.9",
+        f"--run_dir={run_dir}", f"--train.max_steps={GUARD_STEPS}", MOMENTUM_LOSS,
         "--train.debug_dump=true", "--train.eval_max_pairs=32", *extra,
     ]  # fmt: skip
     spec = {"argv": argv, "poison": list(poison), "skip": list(skip), "spike": list(spike)}
@@ -986,7 +988,7 @@ def netns_launch_cmd(shards: Path, run_dir: Path, node: int, master: str) -> lis
         "--main_process_ip", master, "--main_process_port", "29500",  # free: nothing else in the namespace
         str(REPO / "launch" / "pretrain.py"), "--config", str(REPO / "launch" / "configs" / "debug.yaml"),
         f"--data.shards={shards}", f"--run_dir={run_dir}", f"--train.max_steps={TRAIN_STEPS}",
-        "--checkpoint.every_steps=2", "--objective.momentum=0.9", "--train.debug_dump",
+        "--checkpoint.every_steps=2", MOMENTUM_LOSS, "--train.debug_dump",
         f"--train.collective_timeout={COLLECTIVE_TIMEOUT}",
     ]  # fmt: skip
 
