@@ -9,6 +9,7 @@ other, and lists the tests that changed something in the session summary.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,6 +53,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
+def _reset_deepspeed_groups() -> None:
+    """DeepSpeed caches process groups in module globals (``_WORLD_GROUP``, a clone of the world group):
+    after the group is destroyed, the next DeepSpeed engine in this process would broadcast over the
+    dead clone ("Group ... is not registered"). Put them back to their import-time values."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    for name, value in list(vars(groups).items()):
+        if name in ("mpu", "mesh_device") or (
+            name.startswith("_") and ("GROUP" in name or name.startswith("_MPU_"))
+        ):
+            if isinstance(value, dict):
+                setattr(groups, name, {})
+            elif not isinstance(value, str):
+                setattr(groups, name, None)
+
+
 @pytest.fixture(autouse=True)
 def restore_process_state(request):
     """Accelerate keeps its state in class attributes and os.environ: reset both after each test."""
@@ -60,6 +78,10 @@ def restore_process_state(request):
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+        _changed.append(f"{request.node.nodeid}: left a process group (destroyed after it)")
+    _reset_deepspeed_groups()
     now = _process_state()
     changed = [name for name in saved if now[name] != saved[name]]
     if changed:
