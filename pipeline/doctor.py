@@ -127,7 +127,7 @@ def check_deepspeed() -> Check:
     except Exception as exc:
         return Check(
             "deepspeed", WARN, f"not importable ({type(exc).__name__}: {exc}); needed only for "
-            "train.deepspeed_config: pip install -e '.[deepspeed]'",
+            "train.deepspeed_config: bash launch/setup.sh builds it against the installed torch",
         )  # fmt: skip
     try:
         from deepspeed.git_version_info import installed_ops
