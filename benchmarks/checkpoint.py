@@ -55,8 +55,7 @@ def bench_save_load(config_path: Path, repeats: int, workdir: Path) -> None:
     from pipeline.train.rng import RNGState
 
     cfg = load_config(Config, config_path, {"data.shards": str(workdir)})
-    luse = cfg.terms().config("luse")
-    queue_size = luse.queue_size if luse is not None else 0
+    queue_size = cfg.terms().needs.queue_size
     scratch = resolve_path(cfg.model.scratch_config) if cfg.model.scratch_config else SCRATCH_SMALL
     model_config = read_model_config(scratch)
     texts = SAMPLE_CORPUS.read_text(encoding="utf-8").splitlines()

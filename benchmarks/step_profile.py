@@ -62,7 +62,7 @@ def timed_step(t: Trainer, batch: dict[str, Any], times: dict[str, list[float]])
     loop.enqueue_keys(t, rows, inputs, batch)
     lap("queue keys")
     if t.momentum_encoder is not None:
-        t.momentum_encoder.update(t.module.encoder, t.loss.config("luse").momentum)
+        t.momentum_encoder.update(t.module.encoder, t.loss.needs.momentum)
     lap("momentum update")
     t.state.step += 1
 

@@ -177,7 +177,7 @@ def test_luse_bce_without_collisions_is_bit_identical():
 # ------------------------------------------------------------------------------------ the term and config
 def test_term_defaults_masks_by_id_and_reports_the_count():
     loss = build_loss([{"luse": {"queue_size": 8}}])
-    config = loss.config("luse")
+    config = loss.terms[0].config  # the luse term's
     assert config.false_negatives == FalseNegativeConfig(same_id=True, same_text=False, teacher_margin=None)
     out = StepOutput(
         views=unit(2, 3, 8, seed=14).float(),

@@ -26,6 +26,7 @@ docs/objectives.md.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pipeline.losses import (
@@ -34,13 +35,14 @@ from pipeline.losses import (
     matryoshka,
     mlm,
     multi_positive,
+    pairs,
     pairwise_bce,
     sbert_softmax,
     simcse,
     sup_simcse,
 )
 from pipeline.losses.legacy import convert_objective, split_objective
-from pipeline.losses.terms import Loss, StepOutput, Term, WeightedTerm, parse_terms
+from pipeline.losses.terms import Loss, Needs, StepOutput, Term, WeightedTerm, parse_terms
 
 TERMS: dict[str, Term] = {
     t.name: t
@@ -55,13 +57,29 @@ TERMS: dict[str, Term] = {
         distill.KL,
         mlm.TERM,
         matryoshka.TERM,
+        pairs.TERM,
     )
 }
 
 
 def build_loss(entries: list[dict]) -> Loss:
-    """The config's ``loss`` list as a :class:`Loss` (a ConfigError names any bad entry)."""
-    return Loss(parse_terms(entries, TERMS))
+    """The config's ``loss`` list as a :class:`Loss` (a ConfigError names any bad entry).
+
+    Parsed once per distinct list: a run asks for its terms in many places (config checks, the data
+    plan, build, the loop), and a :class:`Loss` holds no state that changes, so they share one.
+    """
+    try:
+        key = json.dumps(entries, sort_keys=True)
+    except (TypeError, ValueError):  # not plain data: a mistake parse_terms names, or a value to parse
+        return Loss(parse_terms(entries, TERMS))
+    if key not in _PARSED:
+        if len(_PARSED) >= 64:  # many configs in one process (the tests): keep the newest
+            _PARSED.pop(next(iter(_PARSED)))
+        _PARSED[key] = Loss(parse_terms(entries, TERMS))
+    return _PARSED[key]
+
+
+_PARSED: dict[str, Loss] = {}  # build_loss's parses, by the loss list's JSON
 
 
 def trained_loss(config: dict[str, Any]) -> dict[str, Any]:
@@ -93,4 +111,4 @@ def trained_loss(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-__all__ = ["TERMS", "Loss", "StepOutput", "Term", "WeightedTerm", "build_loss", "trained_loss"]
+__all__ = ["TERMS", "Loss", "Needs", "StepOutput", "Term", "WeightedTerm", "build_loss", "trained_loss"]

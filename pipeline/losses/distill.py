@@ -11,7 +11,9 @@ Two terms of the loss (:mod:`pipeline.losses.terms`), ``distill`` and ``kl``; ea
 
       cosine:  1 - cos(s_b, t_b)           mse:  ||s_b - t_b||^2 / D
 
-  averaged over the local sentences.
+  averaged over the local sentences. On a batch of pair shards (views anchor, positive; the teacher
+  stage's ``teacher`` and ``teacher_positive``) both sides are distilled, each to its own teacher
+  vector: the mean of the anchors' and the positives' values (docs/pairs.md, "Training on pairs").
 
 * **In-batch similarity distillation** (the KL term of e.g. Hinton et al. 2015 applied to the
   similarity distribution, as in "relational" distillation): for each local original b, the teacher
@@ -44,7 +46,7 @@ from pipeline.config import option
 from pipeline.distributed import all_gather_no_grad, all_gather_with_grad, rank
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.terms import QUEUE, TEACHER, VIEWS, StepOutput, Term
+from pipeline.losses.terms import QUEUE, TEACHER, VIEWS, Needs, StepOutput, Term
 
 DISTILL_LOSSES = ("cosine", "mse")
 
@@ -122,10 +124,18 @@ class DistillConfig:
 
 
 def _distill_loss(c: DistillConfig, out: StepOutput) -> torch.Tensor:
-    student = out.views[0]  # (B, H) the originals
-    if out.head is not None:  # the projection to the teacher's width (data.teacher_dim)
+    if out.teacher_positive is not None:  # a batch of pair shards: both sides, each to its own teacher
+        sides = (_student(out, out.views[0]), _student(out, out.views[1]))  # (B, D_t) each
+        anchor = embedding_loss(sides[0], out.teacher, c.loss)
+        return (anchor + embedding_loss(sides[1], out.teacher_positive, c.loss)) / 2
+    return embedding_loss(_student(out, out.views[0]), out.teacher, c.loss)  # the originals
+
+
+def _student(out: StepOutput, student: torch.Tensor) -> torch.Tensor:
+    """(B, H) student rows, projected to the teacher's width when there is a head (data.teacher_dim)."""
+    if out.head is not None:
         student = F.normalize(out.head(student.to(out.head.weight.dtype)), dim=-1)  # (B, D_t)
-    return embedding_loss(student, out.teacher, c.loss)
+    return student
 
 
 DISTILL = Term(
@@ -164,4 +174,5 @@ KL = Term(
     ),
     reads=lambda c: frozenset({VIEWS, TEACHER, QUEUE}),
     part="kl",
+    needs=lambda c: Needs(teacher_queue=True),  # the queued sentences' teacher rows, with a queue
 )

@@ -177,7 +177,7 @@ def bind(c: MatryoshkaConfig, run: list[WeightedTerm]) -> Term:
         if not inner:
             raise ConfigError(f"matryoshka: no term of this run ({', '.join(names)}) compares embeddings")
     for t in inner:
-        if t.term.name == "luse" and t.config.teacher_positive:
+        if t.term.needs(t.config).teacher_positive:
             raise ConfigError(
                 "matryoshka.of: luse with teacher_positive compares full-width vectors with the teacher; "
                 "drop teacher_positive or leave luse out of matryoshka.of"

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from pipeline.config import option
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.terms import MLM_LOGITS, StepOutput, Term
+from pipeline.losses.terms import MLM_LOGITS, Needs, StepOutput, Term
 
 IGNORE_INDEX = -100  # label of unselected positions (cross_entropy's default ignore_index)
 MASK_PROB = 0.15  # BERT's selection rate; the mlm term's probability overrides it
@@ -125,4 +125,5 @@ TERM = Term(
     loss=_term_loss,
     reads=lambda c: frozenset({MLM_LOGITS}),
     part="mlm",
+    needs=lambda c: Needs(mlm_probability=c.probability),  # an MLM head; masks drawn in the loader
 )

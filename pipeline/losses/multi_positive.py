@@ -49,7 +49,7 @@ from pipeline.distributed import all_gather_no_grad, all_gather_with_grad, rank
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
 from pipeline.losses.false_negatives import FalseNegativeConfig, Guide, make_guide, sentence_mask
-from pipeline.losses.terms import HARD_NEGATIVES, QUEUE, TEACHER, VIEWS, StepOutput, Term
+from pipeline.losses.terms import HARD_NEGATIVES, QUEUE, TEACHER, VIEWS, Needs, StepOutput, Term
 
 
 def compute_loss(
@@ -243,4 +243,10 @@ TERM = Term(
     num_views=lambda k, d: 1 + k + d,  # original, EDA variants, dropout views
     uses_variants=True,
     projects=lambda c: c.teacher_positive,
+    needs=lambda c: Needs(
+        queue_size=c.queue_size,
+        momentum=c.momentum,
+        text_hashes=c.false_negatives.same_text,  # hashing costs the loader and a gather per step
+        teacher_positive=c.teacher_positive,
+    ),
 )

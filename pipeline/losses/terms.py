@@ -10,9 +10,12 @@ A run's loss is ``sum_i weight_i * term_i(step output)``, written in the trainin
 
 Each term lives beside its formula (one file per loss) as a :class:`Term`: its small config dataclass,
 what it reads from the step's :class:`StepOutput` (views, pairs, labels, teacher, hard negatives, queue,
-MLM logits) and its loss. The model step produces one :class:`StepOutput`; :class:`Loss` evaluates
-every term on it and sums; the trainer and GradCache call only :meth:`Loss.__call__`. ``TERMS``
-(pipeline/losses/__init__.py) is the registry, the one list of term names.
+MLM logits), what state and batch columns it needs (:class:`Needs`: a negative queue and its momentum
+encoder, a teacher queue, an MLM head and masked originals, text hashes) and its loss. The model step
+produces one :class:`StepOutput`; :class:`Loss` evaluates every term on it and sums. The trainer never
+asks for a term by name: it builds what :attr:`Loss.needs` (the terms' needs, merged) declares, and
+the loop and GradCache call only :meth:`Loss.__call__`. ``TERMS`` (pipeline/losses/__init__.py) is the
+registry, the one list of term names.
 
 At most one term is a *main* term: it decides the data and the views of a batch (luse: original +
 cached EDA variants + dropout views from the shards; simcse: two dropout views; sup_simcse, cosent,
@@ -55,9 +58,49 @@ class StepOutput:
     text_hashes: torch.Tensor | None = None  # (B,) int64 hashes of their normalised texts
     queue_ids: torch.Tensor | None = None  # (Q,) int64 sentence ids of the queued keys
     queue_text_hashes: torch.Tensor | None = None  # (Q,) int64 text hashes of the queued keys
+    # Batches of pair shards (pipeline/losses/pairs.py): views (anchor, positive); text_hashes the anchors'
+    groups: torch.Tensor | None = None  # (B,) int64 group ids of the pairs (never each other's negatives)
+    positive_text_hashes: torch.Tensor | None = None  # (B,) int64 text hashes of the positives
+    teacher_positive: torch.Tensor | None = None  # (B, D_t) teacher embeddings of the positives
     # Counts a term reports besides its value (luse's ``false_negatives``: candidates it masked); the
     # loss returns them beside the parts, so they are logged with them.
     counts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a term needs from the trainer besides the step output, given its config: the state the
+    trainer builds, checkpoints and updates for it, and the batch columns the collator adds for it.
+    A run's needs are its terms' merged (:attr:`Loss.needs`); the trainer reads only these."""
+
+    queue_size: int = 0  # a negative queue of this many keys of earlier steps (0: none)
+    momentum: float = 0.0  # the EMA momentum of the queue's key encoder (0: keys are the online view 0)
+    teacher_queue: bool = False  # beside a queue: the teacher embeddings of the queued sentences
+    mlm_probability: float | None = None  # an MLM head, and originals masked with it in the loader
+    text_hashes: bool = False  # batches carry hashes of the normalised texts (a same_text rule)
+    teacher_positive: bool = False  # the teacher's embedding is a positive: one view suffices
+
+    def merge(self, other: Needs) -> Needs:
+        """Both terms' needs; one queue (and momentum) per run, so two terms that size it differently
+        are a ConfigError."""
+        queue, other_queue = (self.queue_size, self.momentum), (other.queue_size, other.momentum)
+        if self.queue_size and other.queue_size and queue != other_queue:
+            raise ConfigError(
+                f"loss: two terms ask for different negative queues (size, momentum) {queue} and "
+                f"{other_queue}; give them one"
+            )
+        masks = {p for p in (self.mlm_probability, other.mlm_probability) if p is not None}
+        if len(masks) > 1:
+            raise ConfigError(f"loss: two terms mask the originals at {sorted(masks)}; give them one")
+        queued = self if self.queue_size else other
+        return Needs(
+            queue_size=queued.queue_size,
+            momentum=queued.momentum,
+            teacher_queue=self.teacher_queue or other.teacher_queue,
+            mlm_probability=masks.pop() if masks else None,
+            text_hashes=self.text_hashes or other.text_hashes,
+            teacher_positive=self.teacher_positive or other.teacher_positive,
+        )
 
 
 @dataclass(frozen=True)
@@ -70,7 +113,7 @@ class Term:
     loss: Callable[[Any, StepOutput], torch.Tensor]  # (its config, the step output) -> scalar
     reads: Callable[[Any], frozenset[str]]  # what it reads, given its config
     part: str  # the logged name of its value (``{part}_loss``): contrastive, distill, kl, mlm
-    data: str | None = None  # a main term's data: "shards", "pairs" or "triples"; None: the shards' originals
+    data: str | None = None  # a main term's: "shards", "pair_shards", "pairs", "triples"; None: the originals
     num_views: Callable[[int, int], int] | None = None  # a main term: (k variants, d dropout views) -> n
     uses_variants: bool = False  # its views are the original, the k cached variants, d dropout views
     label_dtype: torch.dtype | None = None  # labels of a supervised file (None: no label column)
@@ -80,6 +123,7 @@ class Term:
     # them, which parse_terms puts in its place; a ConfigError when they do not fit.
     bind: Callable[[Any, list[WeightedTerm]], Term] | None = None
     check_width: Callable[[Any, int], None] | None = None  # (its config, the encoder's width): ConfigError
+    needs: Callable[[Any], Needs] = lambda config: Needs()  # its state and batch columns (Needs)
 
 
 @dataclass(frozen=True)
@@ -96,10 +140,11 @@ class Loss:
         self.terms = terms
         main = [t.term for t in terms if t.term.data is not None]
         self.main: Term | None = main[0] if main else None
-
-    def config(self, name: str) -> Any:
-        """The config of term ``name``, or None when the run has no such term."""
-        return next((t.config for t in self.terms if t.term.name == name), None)
+        self.needs = Needs()  # what the trainer builds for the terms: the one place it learns of them
+        for t in terms:
+            self.needs = self.needs.merge(t.term.needs(t.config))
+        if not self.needs.queue_size:  # a teacher queue mirrors the negative queue's rows
+            self.needs = dataclasses.replace(self.needs, teacher_queue=False)
 
     @property
     def data(self) -> str:
@@ -108,7 +153,7 @@ class Loss:
 
     @property
     def unsupervised(self) -> bool:
-        return self.data == "shards"
+        return self.data in ("shards", "pair_shards")  # both read data.shards
 
     def reads(self, what: str) -> bool:
         return any(what in t.term.reads(t.config) for t in self.terms)

@@ -23,7 +23,8 @@ from torch import nn
 
 from pipeline import distributed as dist
 from pipeline.config import from_dict, to_dict
-from pipeline.data.collate import MLMCollator, PairCollator, ViewCollator
+from pipeline.data.collate import MLMCollator, PairCollator, PairShardCollator, ViewCollator
+from pipeline.data.sources import pair_batches
 from pipeline.data.stream import BatchStream, MemorySource, ShardSource, index_shards
 from pipeline.data.token_ids import shards_have_ids
 from pipeline.devices import CudaProbe, bind_local_device, probe_cuda, resolve_device
@@ -392,21 +393,23 @@ def build_stream(
     ``data.num_workers: auto`` takes the CPUs per rank (pipeline/train/speed.py)."""
     d, t = cfg.data, cfg.train
     loss = cfg.terms()
-    if loss.unsupervised:
+    if pair_batches(loss, shard_set):  # pair shards: anchors then positives (docs/pairs.md)
+        blocks = shard_blocks(shard_set, d.verify_shards, rank)
+        teacher = batches_carry_teacher(cfg, shard_set)  # with teacher_positive: distill reads both
+        collate = PairShardCollator(tokenizer, d.max_length, prefix, teacher, loss.needs.text_hashes)
+        source: Any = ShardSource(blocks, collate.columns)
+    elif loss.unsupervised:
         blocks = shard_blocks(shard_set, d.verify_shards, rank)
         k, views = loss.shard_views(d.num_variants, d.num_dropout_views)
         teacher = batches_carry_teacher(cfg, shard_set)  # checked in check_against_data
         pretokenized = shards_have_ids(shard_set, tokenizer, prefix, d.max_length)  # refuses other ids
-        # Text hashes cost the loader workers and a gather per step: only a same_text rule reads them.
-        rules = [getattr(wt.config, "false_negatives", None) for wt in loss.terms]
-        hash_texts = any(r is not None and r.same_text for r in rules)
         collate = ViewCollator(
-            tokenizer, d.max_length, k, views, prefix, teacher, d.num_hard_negatives, pretokenized, hash_texts
-        )
-        source: Any = ShardSource(blocks, collate.columns)
-        mlm = loss.config("mlm")
-        if mlm is not None:  # masks drawn in the loader workers, from the data position
-            collate = MLMCollator(collate, tokenizer, t.seed, mlm.probability)
+            tokenizer, d.max_length, k, views, prefix, teacher, d.num_hard_negatives, pretokenized,
+            loss.needs.text_hashes,
+        )  # fmt: skip
+        source = ShardSource(blocks, collate.columns)
+        if loss.needs.mlm_probability is not None:  # masks drawn in the loader workers, from the data cursor
+            collate = MLMCollator(collate, tokenizer, t.seed, loss.needs.mlm_probability)
     else:
         records = read_records(cfg)
         n_text, label_dtype = loss.num_views(0, 0), loss.main.label_dtype
@@ -426,20 +429,21 @@ def build_stream(
 
 
 def build_queue(cfg: Config, encoder: SentenceEncoder) -> tuple[nn.Module | None, nn.Module | None]:
+    """The negative queue and its momentum encoder, when a term declares one (``Loss.needs``)."""
     from pipeline.train.queue import MomentumEncoder, NegativeQueue, needs_forward
 
-    luse = cfg.terms().config("luse")
-    if luse is None or not luse.queue_size:
+    needs = cfg.terms().needs
+    if not needs.queue_size:
         return None, None
-    queue = NegativeQueue(luse.queue_size, encoder.dim)
-    return queue, (MomentumEncoder(encoder) if needs_forward(luse.momentum) else None)
+    queue = NegativeQueue(needs.queue_size, encoder.dim)
+    return queue, (MomentumEncoder(encoder) if needs_forward(needs.momentum) else None)
 
 
 def build_teacher_queue(cfg: Config, queue: nn.Module | None) -> nn.Module | None:
-    """With the KL term and a queue: the teacher embeddings of the queued sentences, row for row."""
+    """When a term declares one (kl) beside a queue: the teacher embeddings of the queued sentences."""
     from pipeline.train.queue import NegativeQueue
 
-    if queue is None or cfg.terms().config("kl") is None:
+    if queue is None or not cfg.terms().needs.teacher_queue:
         return None
     return NegativeQueue(queue.size, cfg.data.teacher_dim or queue.dim)
 
@@ -506,7 +510,7 @@ def build(cfg: Config) -> Trainer:
         encoder.backbone.get_input_embeddings().requires_grad_(False)
     head = loss.build_head(encoder.dim, cfg.data.teacher_dim)
     mlm_head = None
-    if loss.config("mlm") is not None:  # after the encoder: without MLM the initial weights are unchanged
+    if loss.needs.mlm_probability is not None:  # after the encoder: without MLM the initial weights as before
         bc = encoder.backbone.config
         mlm_head = MLMHead(encoder.dim, bc.vocab_size, getattr(bc, "layer_norm_eps", 1e-12))
     module = TrainModule(encoder, head, mlm_head).to(accelerator.device)

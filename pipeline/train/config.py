@@ -367,11 +367,10 @@ class Config:
             raise ConfigError(
                 f"loss term {loss.main.name} needs --data.supervised_file (a TSV/JSONL pair/triple file)"
             )
-        luse = loss.config("luse")
         one_view = (
             loss.main is not None and loss.main.uses_variants and d.num_variants + d.num_dropout_views < 1
         )
-        if one_view and not (luse is not None and luse.teacher_positive):
+        if one_view and not loss.needs.teacher_positive:
             raise ConfigError(
                 f"{loss.main.name} needs at least one positive: set data.num_variants or num_dropout_views "
                 ">= 1 (or luse.teacher_positive; for distillation alone the loss is one distill term)"
@@ -431,9 +430,9 @@ def check_against_data(cfg: Config, shard_set: ShardSet | None, world_size: int)
             f"train.global_batch_size ({per_rank}) must be divisible by world size x grad_accum_steps "
             f"({world_size} x {accum} = {world_size * accum}); pick a multiple of {world_size * accum}"
         )
-    luse = cfg.terms().config("luse")
-    if luse is not None and luse.queue_size:
-        validate_queue_size(luse.queue_size, per_rank // accum)
+    queue_size = cfg.terms().needs.queue_size
+    if queue_size:
+        validate_queue_size(queue_size, per_rank // accum)
     if shard_set is None:
         return
     variants = cfg.terms().main is not None and cfg.terms().main.uses_variants
