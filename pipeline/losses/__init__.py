@@ -35,7 +35,6 @@ from pipeline.losses import (
     matryoshka,
     mlm,
     multi_positive,
-    pairs,
     pairwise_bce,
     sbert_softmax,
     simcse,
@@ -57,7 +56,6 @@ TERMS: dict[str, Term] = {
         distill.KL,
         mlm.TERM,
         matryoshka.TERM,
-        pairs.TERM,
     )
 }
 
