@@ -201,3 +201,46 @@ class MLMCollator:
             self.mask_prob,
         )
         return out
+
+
+class PairShardCollator:
+    """Rows of pair shards (``pipeline pairs``, shards/README.md "Pair shards") -> one tokenised batch of
+    the anchors (``text``) then the positives, view-major as :class:`PairCollator`: row i is anchor i,
+    row B + i its positive, ``num_views`` 2, one padding length for both.
+
+    ``batch["groups"]`` (B,) int64: the pairs' ``group`` (a record's pairs share it; the pairs term never
+    uses one as another's negative); ``batch["ids"]`` the pair ids. With ``hash_texts`` (pairs.same_text)
+    ``batch["text_hashes"]`` and ``batch["positive_text_hashes"]`` (B,) int64 hash both sides
+    (:func:`text_hashes`). With ``teacher`` the teacher stage's vectors of both sides: ``batch["teacher"]``
+    and ``batch["teacher_positive"]`` (B, D) float32 (the distill term distils both).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_length: int,
+        prefix: str = "",
+        teacher: bool = False,
+        hash_texts: bool = False,
+    ):
+        self.encode = FastEncoder(tokenizer, max_length, prefix)
+        self.teacher, self.hash_texts = teacher, hash_texts
+        self.columns = ("id", "text", "positive", "group") + ("teacher", "teacher_positive") * teacher
+
+    def __call__(self, rows: dict[str, list[Any]]) -> dict[str, Any]:
+        anchors, positives = rows["text"], rows["positive"]
+        ids, mask = self.encode(list(anchors) + list(positives))  # (2B, L)
+        out = {
+            "ids": torch.tensor(np.asarray(rows["id"], dtype=np.uint64).view(np.int64)),
+            "groups": torch.tensor(np.asarray(rows["group"], dtype=np.uint64).view(np.int64)),
+            "input_ids": ids,
+            "attention_mask": mask,
+            "num_views": 2,
+        }
+        if self.teacher:
+            out["teacher"] = torch.from_numpy(np.stack(rows["teacher"]))  # (B, D) float32
+            out["teacher_positive"] = torch.from_numpy(np.stack(rows["teacher_positive"]))  # (B, D)
+        if self.hash_texts:
+            out["text_hashes"] = text_hashes(anchors)  # (B,) int64
+            out["positive_text_hashes"] = text_hashes(positives)  # (B,) int64
+        return out

@@ -48,9 +48,10 @@ from pipeline.shards import (
     read_shard_set,
     set_index,
 )
-from pipeline.vectors import block_teacher
+from pipeline.vectors import block_teacher, teacher_matrix
 
 log = logging.getLogger(__name__)
+POSITIVE_SCALE = "teacher_positive_scale"  # the teacher stage's int8 scales of teacher_positive
 
 
 # --------------------------------------------------------------------------------------------- index
@@ -236,6 +237,9 @@ class ShardSource:
         for name in self.columns:
             if name == "teacher" and name in table.column_names:  # (rows, D) float32, no Python floats
                 cols[name] = block_teacher(table)  # float16, or int8 with its teacher_scale column
+            elif name == "teacher_positive" and name in table.column_names:  # pair shards: the partner's
+                scale = table.column(POSITIVE_SCALE) if POSITIVE_SCALE in table.column_names else None
+                cols[name] = teacher_matrix(table.column(name), scale)  # (rows, D) float32
             elif name in TOKEN_ID_COLUMNS and name in table.column_names:  # int64 arrays, no Python ints
                 cols[name] = ragged_rows(table.column(name))
             elif name in table.column_names:

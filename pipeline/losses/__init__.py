@@ -35,6 +35,7 @@ from pipeline.losses import (
     matryoshka,
     mlm,
     multi_positive,
+    pairs,
     pairwise_bce,
     sbert_softmax,
     simcse,
@@ -56,6 +57,7 @@ TERMS: dict[str, Term] = {
         distill.KL,
         mlm.TERM,
         matryoshka.TERM,
+        pairs.TERM,
     )
 }
 
