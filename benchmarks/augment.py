@@ -103,7 +103,8 @@ def bench_eda(args: argparse.Namespace, work: Path) -> None:
     (work / "steady" / augment.WORK_DIR).mkdir(parents=True)
     start = time.perf_counter()
     for i, entry in enumerate(manifest["shards"]):
-        augment.augment_shard(augment.ShardJob(shards, entry, work / "steady", i), augmenter)
+        job = augment.ShardJob(shards, entry, work / "steady", work / "steady" / augment.WORK_DIR, i)
+        augment.augment_shard(job, augmenter)
     steady = time.perf_counter() - start
     print(
         f"  1 worker, {cfg.num_variants} variants: {total / steady:,.0f} sentences/s "

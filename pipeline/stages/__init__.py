@@ -4,5 +4,6 @@
 one), ``teacher`` (+ teacher embeddings and mined hard negatives), ``tokenize`` (+ token ids) and
 ``fetch`` (pretrained encoders from pinned wheels, the ``models`` command). They share
 :mod:`pipeline.stages.runner`: one execution config (workers, SLURM array task, finalize-only,
-progress) and the per-shard machinery (claims, completion records, pool, finalize).
+progress) and the shard-stage template that ``augment``, ``teacher`` and ``tokenize`` run (fingerprint,
+claim, completion records, one process pool, finalize).
 """

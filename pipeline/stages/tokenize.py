@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline.config import option, to_dict
+from pipeline.config import option
 from pipeline.data.token_ids import (
     TEXT_COLUMNS,
     TOKEN_ID_COLUMNS,
@@ -36,34 +34,12 @@ from pipeline.data.token_ids import (
     tokenizer_hash,
 )
 from pipeline.errors import ConfigError, InputError
-from pipeline.io import atomic_write_json, sha256_file
-from pipeline.shards import (
-    MANIFEST,
-    new_manifest,
-    read_manifest,
-    read_shard,
-    verify_shard,
-    write_manifest,
-    write_shard,
-)
-from pipeline.stages.runner import (
-    EXECUTION_FIELDS,
-    Execution,
-    already_done,
-    claim_out_dir,
-    finished_records,
-    own_shards,
-    process_shards,
-    read_record,
-    record_path,
-    remove_stale_temps,
-    shard_index,
-)
+from pipeline.shards import read_shard, write_shard
+from pipeline.stages.runner import Execution, Report, ShardJob, ShardStage, ShardWork, read_input
 
 log = logging.getLogger(__name__)
 
 WORK_DIR = ".tokenize-work"  # completion records of finished shards
-# How to run, not what to compute: left out of the manifest so outputs compare equal.
 CARRIED = ("teacher", "hard_negatives")  # input manifest records the trainer checks; kept as they are
 
 
@@ -150,19 +126,23 @@ class IdEncoder:
 
 
 # --------------------------------------------------------------------------------------------- shards
-@dataclass(frozen=True)
-class ShardJob:
-    in_dir: Path
-    entry: dict[str, Any]  # the input manifest's entry for this shard
-    out_dir: Path
-    record_dir: Path
-    shard_index: int
+@dataclass
+class TokenizeWork(ShardWork):
+    tokenizer_json: str  # canonical_tokenizer(...).to_str(): a worker rebuilds the tokenizer from it
+    prefix: str
+    max_length: int
+    dtype: str  # of the ids: uint16 or uint32
+
+    def load(self, processes: int) -> IdEncoder:
+        return IdEncoder(self.tokenizer_json, self.prefix, self.max_length, pa.type_for_alias(self.dtype))
+
+    def shard(self, job: ShardJob, encoder: IdEncoder, report: Report) -> dict[str, Any]:
+        return tokenize_shard(job, encoder, report)
 
 
-def tokenize_shard(job: ShardJob, encoder: IdEncoder, report: Callable[[int], Any]) -> dict[str, Any]:
+def tokenize_shard(job: ShardJob, encoder: IdEncoder, report: Report) -> dict[str, Any]:
     """Verify one input shard, write its copy with the id columns, then its completion record."""
-    in_path = verify_shard(job.in_dir, job.entry)
-    remove_stale_temps(job.out_dir, job.entry["name"])
+    in_path = job.open()
     counts = {"sentences": 0, "texts_tokenized": 0, "truncated": 0, "tokens": 0}
     started = time.perf_counter()
 
@@ -189,101 +169,31 @@ def tokenize_shard(job: ShardJob, encoder: IdEncoder, report: Callable[[int], An
             report(block.num_rows)
             yield block
 
-    entry = write_shard(job.out_dir / job.entry["name"], out_blocks(), job.shard_index)
-    log.info("%s: %d texts in %.1f s", job.entry["name"], counts["texts_tokenized"],
+    entry = write_shard(job.out_dir / job.name, out_blocks(), job.shard_index)
+    log.info("%s: %d texts in %.1f s", job.name, counts["texts_tokenized"],
              time.perf_counter() - started)  # fmt: skip
-    record = {"entry": entry, "counts": counts}
-    atomic_write_json(record_path(job.record_dir, job.entry["name"]), record)  # after the shard: it is done
-    return record
-
-
-_worker: dict[str, Any] = {}
-
-
-def _init_worker(args: tuple[str, str, int, str], progress: Any) -> None:  # + the progress queue
-    tokenizer_json, prefix, max_length, dtype = args
-    _worker["encoder"] = IdEncoder(tokenizer_json, prefix, max_length, pa.type_for_alias(dtype))
-    _worker["progress"] = progress
-
-
-def _run_in_worker(job: ShardJob) -> dict[str, Any]:
-    return tokenize_shard(job, _worker["encoder"], _worker["progress"].put)
+    return job.write_record(entry, counts)
 
 
 # --------------------------------------------------------------------------------------------- driver
-def run_fingerprint(cfg: Config, in_manifest_sha: str, tokenizer: dict[str, Any]) -> dict[str, Any]:
-    """What the output depends on: config, input manifest, the tokenizer record (with its hash)."""
-    config = {k: v for k, v in to_dict(cfg).items() if k not in EXECUTION_FIELDS}
-    return {"config": config, "input_manifest_sha256": in_manifest_sha, "tokenizer": tokenizer}
-
-
-def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, Any]) -> bool:
-    """Write manifest.json once every shard is done; return whether it did."""
-    names = [e["name"] for e in in_manifest["shards"]]
-    records = finished_records(cfg.out, cfg.out / WORK_DIR, cfg.out, names, cfg.finalize_only, "tokenize")
-    if records is None:
-        return (cfg.out / MANIFEST).is_file()
-    counts = {key: sum(r["counts"][key] for r in records) for key in records[0]["counts"]}
-    manifest = new_manifest(
-        "tokenize",
-        fingerprint["config"],
-        [r["entry"] for r in records],
-        counts=counts,
-        input_manifest_sha256=fingerprint["input_manifest_sha256"],
-        input_stage=in_manifest.get("stage"),
-        input_config=in_manifest.get("config", {}),
-        tokenizer=fingerprint["tokenizer"],
-        **{key: in_manifest[key] for key in CARRIED if key in in_manifest},
-    )
-    write_manifest(cfg.out, manifest)
-    shutil.rmtree(cfg.out / WORK_DIR, ignore_errors=True)  # the manifest now records everything in it
-    log.info("wrote %s: %d texts, %d tokens", cfg.out / MANIFEST, counts["texts_tokenized"], counts["tokens"])
-    return True
-
-
 def run(cfg: Config) -> int:
-    in_manifest = read_manifest(cfg.shards)
-    if in_manifest.get("stage") not in ("preprocess", "augment", "teacher"):
-        raise InputError(
-            f"{cfg.shards / MANIFEST} was written by stage {in_manifest.get('stage')!r}; tokenize reads "
-            "the output of `augment`, `teacher` or `preprocess`"
-        )
-    if cfg.out.resolve() == cfg.shards.resolve():
-        raise ConfigError("out must differ from shards: the tokenize stage never writes over its input")
+    reads = "tokenize reads the output of `augment`, `teacher` or `preprocess`"
+    in_manifest = read_input(cfg, "tokenize", ("preprocess", "augment", "teacher"), reads)
     tokenizer, prefix = load_tokenizer(cfg)
     record = tokenizer_record(cfg, tokenizer, prefix)
-    fingerprint = run_fingerprint(cfg, sha256_file(cfg.shards / MANIFEST), record)
-    if already_done(cfg.out, fingerprint, "config, input or tokenizer"):
-        return 0
-    claim_out_dir(cfg.out, WORK_DIR, fingerprint, "tokenize", "config, input or tokenizer")
-    record_dir, entries = cfg.out / WORK_DIR, in_manifest["shards"]
-    if not cfg.finalize_only:
-        mine = own_shards(entries, cfg.task_index, cfg.num_tasks)
-        jobs = [
-            ShardJob(cfg.shards, entries[i], cfg.out, record_dir, shard_index(entries[i]["name"], i))
-            for i in mine
-            if read_record(record_dir, cfg.out, entries[i]["name"]) is None
-        ]
-        log.info("task %d/%d: %d shard(s), %d to do", cfg.task_index, cfg.num_tasks, len(mine), len(jobs))
-        init = (canonical_tokenizer(tokenizer).to_str(), prefix, cfg.max_length, record["dtype"])
+    stage = ShardStage("tokenize", cfg, in_manifest, WORK_DIR, {"tokenizer": record},
+                       differs="config, input or tokenizer")  # fmt: skip
 
-        def run_here(jobs: list[ShardJob], report: Callable[[int], Any]) -> None:
-            args = (init[0], init[1], init[2], pa.type_for_alias(init[3]))
-            encoder = IdEncoder(*args)
-            for job in jobs:
-                tokenize_shard(job, encoder, report)
+    def finish(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The counts, what the input was, and the input's records the trainer checks (CARRIED)."""
+        counts = {key: sum(r["counts"][key] for r in records) for key in records[0]["counts"]}
+        carried = {key: in_manifest[key] for key in CARRIED if key in in_manifest}
+        return [r["entry"] for r in records], {
+            "counts": counts,
+            "input_stage": in_manifest.get("stage"),
+            "input_config": in_manifest.get("config", {}),
+            **carried,
+        }
 
-        total = sum(job.entry["sentences"] for job in jobs)
-        process_shards(
-            jobs,
-            cfg.workers,
-            total,
-            "tokenize",
-            cfg.progress,
-            run_here,
-            _init_worker,
-            (init,),
-            _run_in_worker,
-        )
-    finalize(cfg, in_manifest, fingerprint)
-    return 0
+    work = TokenizeWork(canonical_tokenizer(tokenizer).to_str(), prefix, cfg.max_length, record["dtype"])
+    return stage.run(work, finish)

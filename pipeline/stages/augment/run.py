@@ -12,39 +12,25 @@ exists, by whichever task finishes last (or by ``--finalize-only``).
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow as pa
 
-from pipeline.config import option, to_dict
+from pipeline.config import option
 from pipeline.errors import ConfigError, InputError
-from pipeline.io import atomic_write_json, sha256_file
+from pipeline.io import sha256_file
 from pipeline.resources import CILIN
-from pipeline.shards import MANIFEST, read_manifest, read_shard, verify_shard, write_manifest, write_shard
+from pipeline.shards import read_shard, write_shard
 from pipeline.stages.augment.eda import OPS, Augmenter, EdaParams, parse_op
 from pipeline.stages.augment.synonyms import load_cilin, load_stopwords, load_vector_cache
-from pipeline.stages.runner import (
-    EXECUTION_FIELDS,
-    Execution,
-    already_done,
-    claim_out_dir,
-    finished_records,
-    own_shards,
-    process_shards,
-    read_record,
-    record_path,
-    remove_stale_temps,
-    shard_index,
-)
+from pipeline.stages.runner import Execution, ShardJob, ShardStage, ShardWork, read_input
 
 log = logging.getLogger(__name__)
 
 STOPWORDS = Path(__file__).resolve().parent / "stopwords_zh.txt"
 WORK_DIR = ".augment-work"  # per-shard completion records of an unfinished run (not part of the output)
-# Fields that say how to run, not what to compute: left out of the manifest so outputs compare equal.
 VARIANT_FIELDS = [
     pa.field("variants", pa.list_(pa.string()), nullable=False),
     pa.field("variant_ops", pa.list_(pa.string()), nullable=False),
@@ -153,24 +139,15 @@ def build_augmenter(cfg: Config) -> Augmenter:
     return Augmenter(cfg.eda_params(), synonyms, stopwords, segment)
 
 
-_worker: dict[str, Any] = {}  # this process's augmenter and progress queue (set by _init_worker)
+@dataclass
+class AugmentWork(ShardWork):
+    cfg: Config
 
+    def load(self, processes: int) -> Augmenter:
+        return build_augmenter(self.cfg)
 
-def _init_worker(cfg: Config, progress: Any) -> None:  # initargs (cfg,) + the progress queue
-    _worker["augmenter"] = build_augmenter(cfg)
-    _worker["progress"] = progress
-
-
-def _run_in_worker(job: ShardJob) -> dict[str, Any]:
-    return augment_shard(job, _worker["augmenter"], _worker["progress"].put)
-
-
-@dataclass(frozen=True)
-class ShardJob:
-    in_dir: Path
-    entry: dict[str, Any]  # the input manifest's entry for this shard
-    out_dir: Path
-    shard_index: int
+    def shard(self, job: ShardJob, augmenter: Augmenter, report: Any) -> dict[str, Any]:
+        return augment_shard(job, augmenter, report)
 
 
 def empty_counts() -> dict[str, Any]:
@@ -215,8 +192,7 @@ def augment_block(block: pa.Table, augmenter: Augmenter, counts: dict[str, Any])
 
 def augment_shard(job: ShardJob, augmenter: Augmenter, report: Any = None) -> dict[str, Any]:
     """Verify one input shard, write its augmented copy, then its completion record; return the record."""
-    in_path = verify_shard(job.in_dir, job.entry)
-    remove_stale_temps(job.out_dir, job.entry["name"])
+    in_path = job.open()
     counts = empty_counts()
 
     def blocks():
@@ -234,28 +210,11 @@ def augment_shard(job: ShardJob, augmenter: Augmenter, report: Any = None) -> di
             if report is not None:
                 report(block.num_rows)
 
-    entry = write_shard(job.out_dir / job.entry["name"], blocks(), job.shard_index)
-    record = {"entry": entry, "counts": counts}
-    # Written after the shard: a record means its shard is complete (a shard without one is redone).
-    atomic_write_json(record_path(job.out_dir / WORK_DIR, job.entry["name"]), record)
-    return record
+    entry = write_shard(job.out_dir / job.name, blocks(), job.shard_index)
+    return job.write_record(entry, counts)
 
 
 # --------------------------------------------------------------------------------------------- driver
-def recorded_config(cfg: Config) -> dict[str, Any]:
-    return {k: v for k, v in to_dict(cfg).items() if k not in EXECUTION_FIELDS}
-
-
-def run_fingerprint(cfg: Config, in_manifest_sha: str) -> dict[str, Any]:
-    """What the output depends on: config, input manifest, synonym and stopword files."""
-    return {
-        "config": recorded_config(cfg),
-        "input_manifest_sha256": in_manifest_sha,
-        "synonyms_sha256": sha256_file(cfg.resolved_synonyms_path()),
-        "stopwords_sha256": sha256_file(cfg.resolved_stopwords()),
-    }
-
-
 def _check_paths(cfg: Config) -> None:
     for path, what in (
         (cfg.resolved_synonyms_path(), "synonyms_path"),
@@ -263,73 +222,23 @@ def _check_paths(cfg: Config) -> None:
     ):
         if not path.is_file():
             raise InputError(f"{what} {path} not found; pass an existing file")
-    if cfg.out.resolve() == cfg.shards.resolve():
-        raise ConfigError("out must differ from shards: augment never writes over its input")
 
 
-def _process(cfg: Config, jobs: list[ShardJob]) -> None:
-    def run_here(jobs: list[ShardJob], report: Any) -> None:
-        augmenter = build_augmenter(cfg)
-        for job in jobs:
-            augment_shard(job, augmenter, report)
-
-    total = sum(job.entry["sentences"] for job in jobs)
-    process_shards(
-        jobs, cfg.workers, total, "augment", cfg.progress, run_here, _init_worker, (cfg,), _run_in_worker
-    )
-
-
-def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, Any]) -> bool:
-    """Write manifest.json if every shard has its record; return whether it did."""
-    names = [e["name"] for e in in_manifest["shards"]]
-    records = finished_records(cfg.out, cfg.out / WORK_DIR, cfg.out, names, cfg.finalize_only, "augment")
-    if records is None:
-        return (cfg.out / MANIFEST).is_file()
+def finish(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The manifest's shards and counts (summed over the shards)."""
     counts = empty_counts()
     for record in records:
         add_counts(counts, record["counts"])
-    manifest = _new_manifest(fingerprint, [r["entry"] for r in records], counts)
-    write_manifest(cfg.out, manifest)
-    shutil.rmtree(cfg.out / WORK_DIR, ignore_errors=True)  # the manifest now records everything in it
-    log.info(
-        "wrote %s: %d sentences, %d variants, %d short",
-        cfg.out / MANIFEST,
-        counts["sentences"],
-        counts["variants"],
-        counts["short"],
-    )
-    return True
-
-
-def _new_manifest(fingerprint: dict[str, Any], entries: list[dict[str, Any]], counts: dict) -> dict:
-    from pipeline.shards import new_manifest
-
-    extra = {k: v for k, v in fingerprint.items() if k != "config"}
-    return new_manifest("augment", fingerprint["config"], entries, counts=counts, **extra)
+    return [r["entry"] for r in records], {"counts": counts}
 
 
 def run(cfg: Config) -> int:
-    in_manifest = read_manifest(cfg.shards)
-    if in_manifest.get("stage") != "preprocess":
-        raise InputError(
-            f"{cfg.shards / MANIFEST} was written by stage {in_manifest.get('stage')!r}; "
-            "augment reads the output of `python -m pipeline preprocess`"
-        )
+    reads = "augment reads the output of `python -m pipeline preprocess`"
+    in_manifest = read_input(cfg, "augment", ("preprocess",), reads)
     _check_paths(cfg)
-    fingerprint = run_fingerprint(cfg, sha256_file(cfg.shards / MANIFEST))
-    if already_done(cfg.out, fingerprint, "config or input"):
-        return 0
-    claim_out_dir(cfg.out, WORK_DIR, fingerprint, "augment", "config or input")
-    if not cfg.finalize_only:
-        entries = in_manifest["shards"]
-        mine = own_shards(entries, cfg.task_index, cfg.num_tasks)
-        jobs = [
-            ShardJob(cfg.shards, entries[i], cfg.out, shard_index(entries[i]["name"], i))
-            for i in mine
-            if read_record(cfg.out / WORK_DIR, cfg.out, entries[i]["name"]) is None
-        ]
-        log.info("task %d/%d: %d shard(s), %d to do", cfg.task_index, cfg.num_tasks, len(mine), len(jobs))
-        if jobs:
-            _process(cfg, jobs)
-    finalize(cfg, in_manifest, fingerprint)
-    return 0
+    depends_on = {  # besides the config and the input manifest
+        "synonyms_sha256": sha256_file(cfg.resolved_synonyms_path()),
+        "stopwords_sha256": sha256_file(cfg.resolved_stopwords()),
+    }
+    stage = ShardStage("augment", cfg, in_manifest, WORK_DIR, depends_on)
+    return stage.run(AugmentWork(cfg), finish)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -39,31 +38,10 @@ from typing import Any, Literal
 import numpy as np
 import pyarrow as pa
 
-from pipeline.config import option, to_dict
+from pipeline.config import option
 from pipeline.errors import ConfigError, InputError
-from pipeline.io import atomic_write_json, sha256_file
-from pipeline.shards import (
-    MANIFEST,
-    new_manifest,
-    read_manifest,
-    read_shard,
-    verify_shard,
-    write_manifest,
-    write_shard,
-)
-from pipeline.stages.runner import EXECUTION_FIELDS as STAGE_EXECUTION_FIELDS
-from pipeline.stages.runner import (
-    Execution,
-    already_done,
-    claim_out_dir,
-    finished_records,
-    own_shards,
-    process_shards,
-    read_record,
-    record_path,
-    remove_stale_temps,
-    shard_index,
-)
+from pipeline.shards import MANIFEST, read_shard, write_shard
+from pipeline.stages.runner import Execution, Report, ShardJob, ShardStage, ShardWork, read_input
 from pipeline.stages.teacher.consistency import pair_scores
 from pipeline.stages.teacher.identity import matches, model_hash, stored_dtype
 from pipeline.vectors import DTYPES, block_teacher, encode_vectors, teacher_matrix, variant_columns
@@ -72,10 +50,10 @@ log = logging.getLogger(__name__)
 
 WORK_DIR = ".teacher-work"  # completion records (and, with hard negatives, the encoded shards)
 ENCODED = "encoded"  # WORK_DIR/encoded/: shards with the teacher column, before mining
-# How to run, not what to compute: left out of the manifest so outputs compare equal. ``dtype`` is
-# recorded as the manifest's ``teacher.dtype`` instead (so a float16 manifest is what it always was).
-EXECUTION_FIELDS = (*STAGE_EXECUTION_FIELDS, "device")
-RECORDED_IN_TEACHER = ("dtype",)
+# Left out of the manifest's config: ``device`` says how to run, not what to compute (so outputs compare
+# equal); ``dtype`` is recorded as the manifest's ``teacher.dtype`` (so a float16 manifest is what it
+# always was).
+LEFT_OUT = ("device", "dtype")
 Precision = Literal["fp32", "fp16", "bf16"]
 
 
@@ -223,19 +201,9 @@ def encode_texts(
 
 
 # --------------------------------------------------------------------------------------------- shards
-@dataclass(frozen=True)
-class ShardJob:
-    in_dir: Path
-    entry: dict[str, Any]  # the input manifest's entry for this shard
-    out_dir: Path  # where the encoded shard goes (OUT, or the work dir before mining)
-    record_dir: Path
-    shard_index: int
-
-
 def encode_shard(job: ShardJob, encoder: Any, cfg: Config, precision: Precision, report: Any = None) -> dict:
     """Verify one input shard, write its copy with the teacher column(s), then its completion record."""
-    in_path = verify_shard(job.in_dir, job.entry)
-    remove_stale_temps(job.out_dir, job.entry["name"])
+    in_path = job.open()
     blocks = list(read_shard(in_path))  # whole shard: the length sort spans its blocks
     for block in blocks:
         if "text" not in block.column_names:
@@ -248,7 +216,7 @@ def encode_shard(job: ShardJob, encoder: Any, cfg: Config, precision: Precision,
     started = time.perf_counter()
     vectors = encode_texts(encoder, texts, cfg.batch_size, precision, report)
     seconds = time.perf_counter() - started
-    log.info("%s: %d sentences in %.1f s (%.1f sentences/s, %s)", job.entry["name"], len(texts), seconds,
+    log.info("%s: %d sentences in %.1f s (%.1f sentences/s, %s)", job.name, len(texts), seconds,
              len(texts) / max(seconds, 1e-9), precision)  # fmt: skip
     counts = {"sentences": len(texts), "variants_encoded": 0}
     pairs = "positive" in blocks[0].column_names  # a pair shard: both sides, scores, the filter
@@ -301,10 +269,8 @@ def encode_shard(job: ShardJob, encoder: Any, cfg: Config, precision: Precision,
                     block = append(block, name, column)
             yield block
 
-    entry = write_shard(job.out_dir / job.entry["name"], out_blocks(), job.shard_index)
-    record = {"entry": entry, "counts": counts}
-    atomic_write_json(record_path(job.record_dir, job.entry["name"]), record)  # after the shard: it is done
-    return record
+    entry = write_shard(job.out_dir / job.name, out_blocks(), job.shard_index)
+    return job.write_record(entry, counts)
 
 
 def pair_counts(sources: list[str], keep: np.ndarray) -> dict[str, Any]:
@@ -326,15 +292,14 @@ def append(block: pa.Table, name: str, column: pa.Array) -> pa.Table:
     return block.append_column(pa.field(name, column.type, nullable=False), column)
 
 
-def convert_shard(job: ShardJob, cfg: Config) -> dict:
+def convert_shard(job: ShardJob, cfg: Config, report: Report | None = None) -> dict:
     """One float16 teacher shard -> the same shard with int8 vectors and their scales; no model.
 
     The codes are those of the stored float16 values, so they may differ by one step from a direct
     ``--dtype int8`` encoding (cosine to the float16 vectors is what the tests bound). Every other
     column, the rows and the blocks stay as they were.
     """
-    in_path = verify_shard(job.in_dir, job.entry)
-    remove_stale_temps(job.out_dir, job.entry["name"])
+    in_path = job.open()
     counts = {"sentences": 0, "variants_encoded": 0}
 
     def out_blocks():
@@ -358,45 +323,44 @@ def convert_shard(job: ShardJob, cfg: Config) -> dict:
                 )
                 block = block.add_column(at + 1, pa.field(name, scales.type, nullable=False), scales)
                 counts["variants_encoded"] += len(flat)
+            if report is not None:
+                report(block.num_rows)
             yield block
 
-    entry = write_shard(job.out_dir / job.entry["name"], out_blocks(), job.shard_index)
-    record = {"entry": entry, "counts": counts}
-    atomic_write_json(record_path(job.record_dir, job.entry["name"]), record)
-    return record
+    entry = write_shard(job.out_dir / job.name, out_blocks(), job.shard_index)
+    return job.write_record(entry, counts)
 
 
-# --------------------------------------------------------------------------------------------- workers
-_worker: dict[str, Any] = {}
+# --------------------------------------------------------------------------------------------- work
+@dataclass
+class EncodeWork(ShardWork):
+    """Encode shards with the teacher (``loaded``: the model, loaded once per process)."""
+
+    cfg: Config
+    device: str  # resolved: cpu, cuda or cuda:N
+    progress_per_sentence: int = 1  # 2 for pair shards: both sides are encoded
+
+    def load(self, processes: int) -> Any:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))  # the workers share the cores
+        device = self.device
+        if device == "cuda" and torch.cuda.device_count() > 1:  # one GPU per worker, round robin
+            device = f"cuda:{(mp.current_process()._identity[0] - 1) % torch.cuda.device_count()}"
+        return load_teacher(self.cfg, device)
+
+    def shard(self, job: ShardJob, encoder: Any, report: Report) -> dict[str, Any]:
+        return encode_shard(job, encoder, self.cfg, precision_for(self.device, self.cfg.bf16), report)
 
 
-def _init_worker(cfg: Config, device: str, threads: int, progress: Any) -> None:
-    import torch
+@dataclass
+class ConvertWork(ShardWork):
+    """Convert float16 teacher shards to int8: no model."""
 
-    torch.set_num_threads(threads)  # the workers share the node's cores
-    if device == "cuda" and torch.cuda.device_count() > 1:  # one GPU per worker, round robin
-        device = f"cuda:{(mp.current_process()._identity[0] - 1) % torch.cuda.device_count()}"
-    _worker.update(encoder=load_teacher(cfg, device), cfg=cfg, precision=precision_for(device, cfg.bf16))
-    _worker["progress"] = progress
+    cfg: Config
 
-
-def _run_in_worker(job: ShardJob) -> dict[str, Any]:
-    return encode_shard(
-        job, _worker["encoder"], _worker["cfg"], _worker["precision"], _worker["progress"].put
-    )
-
-
-def _process(cfg: Config, jobs: list[ShardJob], device: str, encoder: Any, sides: int = 1) -> None:
-    def run_here(jobs: list[ShardJob], report: Any) -> None:
-        for job in jobs:
-            encode_shard(job, encoder, cfg, precision_for(device, cfg.bf16), report)
-
-    total = sides * sum(job.entry["sentences"] for job in jobs)  # sides: 2 for pairs (both encoded)
-    threads = max(1, (os.cpu_count() or 1) // min(cfg.workers, len(jobs)))  # the workers share the cores
-    initargs = (cfg, device, threads)
-    process_shards(
-        jobs, cfg.workers, total, "teacher", cfg.progress, run_here, _init_worker, initargs, _run_in_worker
-    )
+    def shard(self, job: ShardJob, loaded: None, report: Report) -> dict[str, Any]:
+        return convert_shard(job, self.cfg, report)
 
 
 # --------------------------------------------------------------------------------------------- driver
@@ -406,20 +370,9 @@ def layout(cfg: Config) -> tuple[Path, Path]:
     return (work / ENCODED, work / ENCODED) if cfg.hard_negatives else (cfg.out, work)
 
 
-def run_fingerprint(cfg: Config, in_manifest_sha: str, teacher: dict[str, Any]) -> dict[str, Any]:
-    """What the output depends on: config, input manifest, the teacher (weights hash, precision, dtype)."""
-    left_out = EXECUTION_FIELDS + RECORDED_IN_TEACHER
-    config = {k: v for k, v in to_dict(cfg).items() if k not in left_out}
-    return {"config": config, "input_manifest_sha256": in_manifest_sha, "teacher": teacher}
-
-
-def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, Any]) -> bool:
-    """Mine (if asked) and write manifest.json once every shard is encoded; return whether it did."""
-    shard_dir, record_dir = layout(cfg)
-    names = [e["name"] for e in in_manifest["shards"]]
-    records = finished_records(cfg.out, record_dir, shard_dir, names, cfg.finalize_only, "teacher")
-    if records is None:
-        return (cfg.out / MANIFEST).is_file()
+def finish(cfg: Config, in_manifest: dict[str, Any], records: list[dict[str, Any]]) -> tuple[list, dict]:
+    """The counts and what the input was; with ``--hard-negatives``, mines them over the encoded shards
+    and writes the final shards (the manifest's entries are then theirs)."""
     counts: dict[str, Any] = {"sentences": 0, "variants_encoded": 0}
     if in_manifest.get("stage") == "pairs":
         counts.update(positives_encoded=0, pairs_kept=0, pairs_dropped_consistency=0, pairs_by_source={})
@@ -432,7 +385,7 @@ def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, An
                         total[name] += n
             else:
                 counts[key] += r["counts"][key]
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"counts": counts, "input_config": in_manifest.get("config", {})}
     if in_manifest.get("stage") == "pairs":
         extra["input_stage"] = "pairs"
         extra["pair_filter"] = {"k": cfg.pair_top_k, "pool": cfg.pair_pool, "rule": "teacher/consistency.py"}
@@ -448,27 +401,13 @@ def finalize(cfg: Config, in_manifest: dict[str, Any], fingerprint: dict[str, An
         params = MineParams(
             cfg.hard_negatives, cfg.hn_depth, cfg.hn_max_similarity, cfg.hn_min_similarity, cfg.hn_index
         )
+        shard_dir, _ = layout(cfg)
         entries, mined = mine_shards(
             shard_dir, entries, cfg.out, cfg.out / WORK_DIR, params, cfg.progress, cfg.device
         )
         counts["hard_negatives"] = mined
         extra["hard_negatives"] = params.record()
-    manifest = new_manifest(
-        "teacher",
-        fingerprint["config"],
-        entries,
-        counts=counts,
-        input_manifest_sha256=fingerprint["input_manifest_sha256"],
-        input_config=in_manifest.get("config", {}),
-        teacher=fingerprint["teacher"],
-        **extra,
-    )
-    write_manifest(cfg.out, manifest)
-    shutil.rmtree(cfg.out / WORK_DIR, ignore_errors=True)  # the manifest now records everything in it
-    teacher = fingerprint["teacher"]
-    log.info("wrote %s: %d sentences, teacher %s, %s", cfg.out / MANIFEST, counts["sentences"],
-             teacher["name"], teacher["dtype"])  # fmt: skip
-    return True
+    return entries, extra
 
 
 def conversion_record(cfg: Config, in_manifest: dict[str, Any]) -> dict[str, Any]:
@@ -494,13 +433,12 @@ def conversion_record(cfg: Config, in_manifest: dict[str, Any]) -> dict[str, Any
 
 
 def run(cfg: Config) -> int:
-    in_manifest = read_manifest(cfg.shards)
-    stage = in_manifest.get("stage")
-    if stage not in ("augment", "preprocess", "pairs", "teacher"):
-        raise InputError(
-            f"{cfg.shards / MANIFEST} was written by stage {stage!r}; the teacher stage reads the output "
-            "of `augment` (or `preprocess`, or `pairs`), or converts a `teacher` output to --dtype int8"
-        )
+    reads = (
+        "the teacher stage reads the output of `augment` (or `preprocess`, or `pairs`), or converts a "
+        "`teacher` output to --dtype int8"
+    )
+    in_manifest = read_input(cfg, "teacher", ("augment", "preprocess", "pairs", "teacher"), reads)
+    stage = in_manifest["stage"]
     if stage == "pairs" and (cfg.variants or cfg.hard_negatives):
         raise ConfigError(
             f"--variants/--hard-negatives: {cfg.shards} holds pairs (stage pairs); their negatives are the "
@@ -508,36 +446,15 @@ def run(cfg: Config) -> int:
         )
     if stage != "teacher" and not cfg.model:
         raise ConfigError("usage: python -m pipeline teacher --shards IN --out OUT --model TEACHER")
-    if cfg.out.resolve() == cfg.shards.resolve():
-        raise ConfigError("out must differ from shards: the teacher stage never writes over its input")
     device = resolve_device(cfg.device)
-    encoder = None if stage == "teacher" else load_teacher(cfg, device)
-    precision = precision_for(device, cfg.bf16)
-    record = (
-        conversion_record(cfg, in_manifest) if stage == "teacher" else teacher_record(cfg, encoder, precision)
-    )
-    fingerprint = run_fingerprint(cfg, sha256_file(cfg.shards / MANIFEST), record)
-    if already_done(cfg.out, fingerprint, "config, input or teacher"):
-        return 0
-    claim_out_dir(cfg.out, WORK_DIR, fingerprint, "teacher", "config, input or teacher")
+    if stage == "teacher":  # a conversion
+        work: ShardWork = ConvertWork(cfg)
+        record = conversion_record(cfg, in_manifest)
+    else:
+        work = EncodeWork(cfg, device, progress_per_sentence=2 if stage == "pairs" else 1)
+        work.loaded = load_teacher(cfg, device)  # for the record; the shards use it if they run here
+        record = teacher_record(cfg, work.loaded, precision_for(device, cfg.bf16))
     shard_dir, record_dir = layout(cfg)
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    record_dir.mkdir(parents=True, exist_ok=True)
-    if not cfg.finalize_only:
-        entries = in_manifest["shards"]
-        mine = own_shards(entries, cfg.task_index, cfg.num_tasks)
-        jobs = [
-            ShardJob(cfg.shards, entries[i], shard_dir, record_dir, shard_index(entries[i]["name"], i))
-            for i in mine
-            if read_record(record_dir, shard_dir, entries[i]["name"]) is None
-        ]
-        log.info("task %d/%d: %d shard(s), %d to do", cfg.task_index, cfg.num_tasks, len(mine), len(jobs))
-        if jobs and stage == "teacher":
-            for job in jobs:  # no model: reading, quantising and writing, one shard at a time
-                convert_shard(job, cfg)
-        elif jobs:
-            if cfg.workers > 1 and len(jobs) > 1:
-                encoder = None  # the workers load their own
-            _process(cfg, jobs, device, encoder, sides=2 if stage == "pairs" else 1)
-    finalize(cfg, in_manifest, fingerprint)
-    return 0
+    shards = ShardStage("teacher", cfg, in_manifest, WORK_DIR, {"teacher": record}, LEFT_OUT,
+                        "config, input or teacher", shard_dir, record_dir)  # fmt: skip
+    return shards.run(work, lambda records: finish(cfg, in_manifest, records))
