@@ -33,6 +33,7 @@ from pipeline.losses import Loss
 from pipeline.losses.legacy import split_objective
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
 from pipeline.model.heads import MLMHead, TrainModule
+from pipeline.model.layers import keep_layers
 from pipeline.model.vocab import SCRATCH_SMALL, read_model_config, unk_rate, write_vocab
 from pipeline.resources import EVAL_DIR
 from pipeline.shards import ShardSet, read_shard, read_shard_set, shard_paths
@@ -287,8 +288,6 @@ def build_encoder(cfg: Config) -> SentenceEncoder:
         if m.dropout is not None:
             set_dropout(encoder.backbone, m.dropout)
         if m.layers is not None:
-            from pipeline.stages.student import keep_layers
-
             keep_layers(encoder.backbone, m.layers)
         if m.random_init:
             reinitialise(encoder.backbone, cfg.train.seed)
