@@ -28,7 +28,10 @@ import numpy as np
 from _common import mean_std as fmt
 from _common import stats, table
 
-STS_SETS = ["ATEC", "BQ", "LCQMC", "PAWSX", "STS-B", "avg5"]
+from pipeline.evaluate.sts import AVG_NAME
+from pipeline.evaluate.sts import STS_SETS as SCORED_SETS
+
+STS_SETS = [*SCORED_SETS, AVG_NAME]  # the columns: each scored set, then their mean
 REGIMES = {"train": "TrainBERT", "freeze": "FreezeBERT"}
 
 

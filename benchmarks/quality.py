@@ -43,9 +43,10 @@ from _common import (
 )
 from _common import table as markdown_table
 
+from pipeline.evaluate.sts import STS_SETS
+
 ROOT = Path(__file__).resolve().parents[1]
 
-STS_SETS = ("ATEC", "BQ", "LCQMC", "PAWSX", "STS-B")
 DEFAULT_CONFIG = ROOT / "launch" / "configs" / "default.yaml"
 STUDENT_CONFIG = ROOT / "launch" / "configs" / "distill.yaml"
 

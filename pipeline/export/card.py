@@ -12,6 +12,7 @@ import yaml
 
 from pipeline.errors import ConfigError, InputError
 from pipeline.losses import trained_loss
+from pipeline.losses.matryoshka import DEFAULT_DIMS
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def matryoshka_dims(config: dict[str, Any], explicit: list[int], width: int, whi
     entry = next((e for e in config.get("loss") or [] if isinstance(e, dict) and "matryoshka" in e), None)
     if entry is None or whitened:
         return []
-    trained = (entry["matryoshka"] or {}).get("dims") or [256, 128, 64]
+    trained = (entry["matryoshka"] or {}).get("dims") or DEFAULT_DIMS
     return sorted({width, *(d for d in trained if d <= width)}, reverse=True)
 
 
@@ -336,8 +337,11 @@ def teacher_result(shards: str | None, explicit: Path | None) -> tuple[str | Non
 
 
 # ------------------------------------------------------------------------------------ metadata
-STS_SPLITS = {"ATEC": "test", "BQ": "validation", "LCQMC": "validation", "PAWSX": "validation",
-              "STS-B": "test"}  # fmt: skip
+def sts_split(name: str) -> str:
+    """The Hub split a bundled STS set is scored on: test for its ``*.test.tsv`` file, else validation."""
+    from pipeline.evaluate.sts import STS_SETS
+
+    return "test" if STS_SETS.get(name, ".test.tsv").endswith(".test.tsv") else "validation"
 
 
 def eval_results(result: dict[str, Any] | None) -> list[Any]:
@@ -354,7 +358,7 @@ def eval_results(result: dict[str, Any] | None) -> list[Any]:
         out.append(EvalResult(
             task_type="sentence-similarity", task_name="Semantic Textual Similarity",
             dataset_type=f"C-MTEB/{name}" if name != "STS-B" else "C-MTEB/STSB", dataset_name=f"{name} (zh)",
-            dataset_split=STS_SPLITS.get(name, "test"), metric_type="spearman_cosine",
+            dataset_split=sts_split(name), metric_type="spearman_cosine",
             metric_name="Spearman (cosine) x100", metric_value=round(float(value), 2),
         ))  # fmt: skip
     return out

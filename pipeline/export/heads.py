@@ -40,9 +40,6 @@ def add_whitening(encoder: Any, cfg: Any) -> dict[str, Any]:
             "max_gain": float(singular.max() / singular.min())}  # fmt: skip
 
 
-SCORED_SETS = ("ATEC.test.tsv", "BQ.dev.tsv", "LCQMC.dev.tsv", "PAWSX.dev.tsv", "STS-B.test.tsv")
-
-
 def add_calibration(encoder: Any, cfg: Any) -> Any:
     """Fit cosine -> P(same meaning) (isotonic) on labelled pairs; Brier/ECE/thresholds on held-out pairs.
 
@@ -52,11 +49,11 @@ def add_calibration(encoder: Any, cfg: Any) -> Any:
     import numpy as np
 
     from pipeline.evaluate import calibration as cal
-    from pipeline.evaluate.sts import EVAL_DIR, embed_pair_set, read_pair_file
+    from pipeline.evaluate.sts import EVAL_DIR, STS_SETS, embed_pair_set, read_pair_file
 
     default = cfg.calibration_pairs is None
     fit_path = EVAL_DIR / "STS-B.train.tsv" if default else Path(cfg.calibration_pairs)
-    scored = {(EVAL_DIR / name).resolve() for name in SCORED_SETS}
+    scored = {(EVAL_DIR / name).resolve() for name in STS_SETS.values()}
     for path in (fit_path, cfg.calibration_holdout):
         if path is not None and Path(path).resolve() in scored:
             raise InputError(f"{path} is a scored evaluation set; calibrate on training pairs instead")

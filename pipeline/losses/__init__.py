@@ -60,6 +60,7 @@ TERMS: dict[str, Term] = {
         pairs.TERM,
     )
 }
+DEFAULT_LOSS: list[dict[str, Any]] = [{"luse": {}, "weight": 1.0}]  # a run's loss when its config sets none
 
 
 def build_loss(entries: list[dict]) -> Loss:
@@ -91,7 +92,7 @@ def trained_loss(config: dict[str, Any]) -> dict[str, Any]:
     read it (:mod:`pipeline.losses.legacy`).
     """
     config, legacy = split_objective(config)
-    entries = config.get("loss") or [{"luse": {}, "weight": 1.0}]
+    entries = config.get("loss") or DEFAULT_LOSS
     if legacy:
         entries, _ = convert_objective(entries, legacy, TERMS, warn=False)
     terms = [(next(k for k in e if k != "weight"), e) for e in entries]

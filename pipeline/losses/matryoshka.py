@@ -54,6 +54,7 @@ from pipeline.losses._precision import at_least_float32
 from pipeline.losses.distill import KLConfig, kl_loss
 from pipeline.losses.terms import QUEUE, TEACHER, VIEWS, StepOutput, Term, WeightedTerm
 
+DEFAULT_DIMS = [256, 128, 64]  # prefix widths trained besides the full one (e5-small: 384)
 TEACHER_TERMS = ("distill", "kl")  # taken on a prefix as in-batch similarity distillation
 REFUSED = {
     "mlm": "it has no embedding",
@@ -118,7 +119,7 @@ def compute_loss(
 @dataclass
 class MatryoshkaConfig:
     dims: list[int] = option(
-        [256, 128, 64], "Prefix widths trained besides the full one, largest first (each <= the model's)."
+        DEFAULT_DIMS, "Prefix widths trained besides the full one, largest first (each <= the model's)."
     )
     weights: list[float] = option([], "One weight per dim (empty: 1 each).")
     of: list[str] = option(
