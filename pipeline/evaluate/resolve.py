@@ -32,8 +32,8 @@ from typing import Any, Literal
 from pipeline.errors import InputError, PipelineError
 from pipeline.model.encoder import ENCODER_FILE, SentenceEncoder
 from pipeline.model.rules import is_sentence_transformers_folder
+from pipeline.run_layout import CHECKPOINTS_DIR, MODEL_DIR
 from pipeline.run_layout import MANIFEST as CHECKPOINT_MANIFEST
-from pipeline.run_layout import MODEL_DIR
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +128,9 @@ def resolve(spec: str | Path, which: Which = "latest", skeleton: Path | None = N
         return Resolved(text, "model", path)
     # A run directory has a model/ too (the final model); its checkpoints/ pointer decides, so that
     # --checkpoint latest|best is honoured.
-    is_run = (path / "checkpoints").is_dir() and not (path / CHECKPOINT_MANIFEST).is_file()
+    is_run = (path / CHECKPOINTS_DIR).is_dir() and not (path / CHECKPOINT_MANIFEST).is_file()
     if not is_run and ((path / MODEL_DIR).is_dir() or (path / CHECKPOINT_MANIFEST).is_file()):
-        run = path.parent.parent if path.parent.name == "checkpoints" else None
+        run = path.parent.parent if path.parent.name == CHECKPOINTS_DIR else None
         return Resolved(text, "checkpoint", _checkpoint_model(path), checkpoint_dir=path, run_dir=run)
     if is_zero_checkpoint(path):
         found = skeleton or find_skeleton(path)
@@ -141,8 +141,8 @@ def resolve(spec: str | Path, which: Which = "latest", skeleton: Path | None = N
                 "(e.g. the model/ folder of one of the run's checkpoints)"
             )
         return Resolved(text, "deepspeed", path, skeleton_dir=Path(found))
-    checkpoints = path / "checkpoints" if (path / "checkpoints").is_dir() else None
-    if checkpoints is None and (path / which).is_file() and path.name == "checkpoints":
+    checkpoints = path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else None
+    if checkpoints is None and (path / which).is_file() and path.name == CHECKPOINTS_DIR:
         checkpoints = path
     if checkpoints is not None:
         pointer = checkpoints / which

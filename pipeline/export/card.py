@@ -13,6 +13,7 @@ import yaml
 from pipeline.errors import ConfigError, InputError
 from pipeline.losses import trained_loss
 from pipeline.losses.matryoshka import DEFAULT_DIMS
+from pipeline.run_layout import MODEL_DIR, step_of
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +101,12 @@ def final_model_event(resolved: Any) -> dict[str, Any] | None:
     initial model) when ``resolved`` is that model: RUN_DIR/model, or the checkpoint of that step."""
     model_dir = Path(resolved.model_dir) if resolved.model_dir else None
     step = None
-    if resolved.kind == "model" and model_dir is not None and model_dir.name == "model":
+    if resolved.kind == "model" and model_dir is not None and model_dir.name == MODEL_DIR:
         run_dir = model_dir.parent  # RUN_DIR/model: the run's final model
     elif resolved.kind == "checkpoint" and resolved.run_dir and resolved.checkpoint_dir:
-        run_dir, step = Path(resolved.run_dir), Path(resolved.checkpoint_dir).name.rpartition("-")[2]
+        run_dir, step = Path(resolved.run_dir), step_of(Path(resolved.checkpoint_dir).name)
+        if step is None:  # not one of the run's step-* checkpoints
+            return None
     else:
         return None
     metrics = run_dir / "metrics.jsonl"
@@ -118,7 +121,7 @@ def final_model_event(resolved: Any) -> dict[str, Any] | None:
                 continue
             if record.get("event") == "final_model":
                 found = record
-    if found is None or (step is not None and (not step.isdigit() or int(step) != found.get("step"))):
+    if found is None or (step is not None and step != found.get("step")):
         return None
     return found
 

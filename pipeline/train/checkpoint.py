@@ -54,6 +54,7 @@ from pipeline.io import (
 from pipeline.run_layout import (
     BEST,
     CHECKPOINT_FORMAT,
+    CHECKPOINTS_DIR,
     CONFIG_FILE,
     DEEPSPEED_DIR,
     DEEPSPEED_TAG,
@@ -61,8 +62,11 @@ from pipeline.run_layout import (
     LATEST,
     MANIFEST,
     MODEL_DIR,
+    SAVING_PREFIX,
     STATE_FILE,
-    STEP_DIR,
+    STEP_GLOB,
+    step_dir_name,
+    step_of,
 )
 from pipeline.train.guard import NonFiniteError, first_nonfinite
 
@@ -85,10 +89,6 @@ class Stateful(Protocol):
 
 class CheckpointError(InputError):
     """A checkpoint is missing, incomplete, corrupt, or cannot be loaded into this run."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def rank_file_name(rank: int) -> str:
@@ -258,7 +258,7 @@ class Checkpointer:
         if keep_last < 1:
             raise ValueError("keep_last must be >= 1")
         self.run_dir = Path(run_dir)
-        self.dir = self.run_dir / "checkpoints"
+        self.dir = self.run_dir / CHECKPOINTS_DIR
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.engine = engine
@@ -268,10 +268,8 @@ class Checkpointer:
         """Checkpoint directories by step, oldest first (complete or not; unfinished temps excluded)."""
         if not self.dir.is_dir():
             return []
-        found = [
-            (int(m.group(1)), p) for p in self.dir.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))
-        ]
-        return [p for _, p in sorted(found)]
+        steps = {p: step_of(p.name) for p in self.dir.iterdir() if p.is_dir()}
+        return sorted((p for p, step in steps.items() if step is not None), key=steps.__getitem__)
 
     def best(self) -> Path | None:
         name = _read_pointer(self.dir / BEST)
@@ -320,11 +318,11 @@ class Checkpointer:
         started = time.perf_counter()
         rank, world = distributed.rank(), distributed.world_size()
         final = self.dir / step_dir_name(step)
-        tmp = self.dir / f".tmp-{final.name}"
+        tmp = self.dir / f"{SAVING_PREFIX}{final.name}"
         shared, problem = None, None
         if distributed.is_main_process():
             self.dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.dir.glob(".tmp-step-*"):  # left by a save that was killed
+            for stale in self.dir.glob(SAVING_PREFIX + STEP_GLOB):  # left by a save that was killed
                 shutil.rmtree(stale, ignore_errors=True)
             shared = _state_dicts(states)
             problem = self._refusal(final.name, model, shared)
