@@ -141,7 +141,7 @@ def pair_config(tmp_path: Path, shards: Path, loss: list[dict], **overrides):
 
     base = {"data.shards": str(shards), "run_dir": str(tmp_path / "run"), "loss": loss,
             "data.num_variants": 0, "data.num_dropout_views": 0, "data.teacher_dim": 24,
-            "train.max_steps": 4}  # fmt: skip
+            "train.max_steps": 4, "data.length_bucketing": False}  # fmt: skip
     return load_config(Config, DEBUG_CONFIG, {**base, **overrides})
 
 

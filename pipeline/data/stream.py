@@ -37,6 +37,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline import distributed
+from pipeline.data.sources import BlockSources, SourceOrder
 from pipeline.data.token_ids import TOKEN_ID_COLUMNS, ragged_rows
 from pipeline.errors import ConfigError, InputError, PipelineError
 from pipeline.shards import (
@@ -305,7 +306,7 @@ class _RankBatches(IterableDataset):
         self,
         source: Any,
         collate: Callable[[dict[str, list[Any]]], Any],
-        order: EpochOrder | BucketedOrder,
+        order: EpochOrder | BucketedOrder | SourceOrder,
         global_batch: int,
         rank: int,
         world: int,
@@ -323,7 +324,7 @@ class _RankBatches(IterableDataset):
         local = self.global_batch // self.world
         for b in range(self.start + worker, self.stop, workers):
             lo = self.rank * local
-            if isinstance(self.order, BucketedOrder):
+            if isinstance(self.order, (BucketedOrder, SourceOrder)):
                 runs = self.order.batch_runs(b, lo, lo + local)
             else:
                 runs = self.order.locate(b * self.global_batch + lo, b * self.global_batch + lo + local)
@@ -343,6 +344,9 @@ class BatchStream:
     takes a batch, so a checkpoint taken between steps records exactly what was used.
     ``bucket_window`` > 0 turns on length bucketing over windows of that many global batches.
     ``pin_memory``: batches in page-locked memory (a CUDA device), so host-to-device copies are async.
+    ``sources`` (the source of each block, pair shards): batches in a
+    :class:`~pipeline.data.sources.SourceOrder` of ``source_mode`` ("batch": one source per global batch,
+    drawn with probability proportional to size^``source_alpha``; "mixed": every source in proportion).
     """
 
     def __init__(
@@ -357,6 +361,9 @@ class BatchStream:
         prefetch_factor: int = 4,
         bucket_window: int = 0,
         pin_memory: bool = False,
+        sources: BlockSources | None = None,
+        source_alpha: float = 0.5,
+        source_mode: str = "batch",
     ):
         if global_batch_size % world_size:
             raise ConfigError(f"global batch {global_batch_size} is not divisible by world size {world_size}")
@@ -366,7 +373,15 @@ class BatchStream:
         self.pin_memory = pin_memory  # for a CUDA device: the step's .to(device, non_blocking=True) overlaps
         self.block_rows = source.block_rows
         self.num_items = int(sum(self.block_rows))
+        self.sources, self.source_alpha, self.source_mode = sources, source_alpha, source_mode
+        if sources is not None and bucket_window:
+            raise ConfigError(
+                "data.length_bucketing sorts batches across sources; set it to false for pair shards "
+                "batched by source (docs/pairs.md, 'Training on pairs')"
+            )
         self.batches_per_epoch = self.num_items // global_batch_size
+        if sources is not None and source_mode == "batch":  # sum over sources of floor(n_s / G)
+            self.batches_per_epoch = int((sources.rows(self.block_rows) // global_batch_size).sum())
         self.dropped_per_epoch = self.num_items - self.batches_per_epoch * global_batch_size
         if self.batches_per_epoch == 0:
             raise ConfigError(
@@ -384,15 +399,18 @@ class BatchStream:
             source.cache_blocks = max(source.cache_blocks, min(spanned, len(self.block_rows)))
         self.cursor = Cursor()
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         # num_items and global_batch make a cursor from a different dataset or batch size detectable
-        return {
+        state: dict[str, Any] = {
             **self.cursor.state_dict(),
             "global_batch_size": self.global_batch,
             "num_items": self.num_items,
             "seed": self.seed,
             "bucket_window": self.bucket_window,
         }
+        if self.sources is not None:  # the order's other inputs (absent: the plain order, as before)
+            state["source_mode"], state["source_alpha"] = self.source_mode, self.source_alpha
+        return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         # bucket_window changes which samples a batch holds: a cursor means nothing across it
@@ -408,14 +426,27 @@ class BatchStream:
                     "resume with the same data, train.global_batch_size and data.length_bucketing/"
                     "bucket_window, or start a new run_dir"
                 )
+        mine_sources = (self.source_mode, self.source_alpha) if self.sources is not None else None
+        saved = (state["source_mode"], float(state["source_alpha"])) if "source_mode" in state else None
+        if saved != mine_sources:
+            raise ConfigError(
+                f"the saved data cursor was made with source batching {saved or 'off'}, this run has "
+                f"{mine_sources or 'off'}: resume with the same data.one_source_per_batch, "
+                "data.source_alpha and pair shards, or start a new run_dir"
+            )
         self.cursor.load_state_dict(state)
 
     def epoch_batches(self) -> Iterator[dict[str, Any]]:
         """The rest of the current epoch from the cursor; moves the cursor to the next epoch at the end."""
         epoch, start = self.cursor.epoch, self.cursor.batches
         if start < self.batches_per_epoch:
-            order: EpochOrder | BucketedOrder = EpochOrder(self.block_rows, self.seed, epoch)
-            if self.bucket_window:
+            order: EpochOrder | BucketedOrder | SourceOrder = EpochOrder(self.block_rows, self.seed, epoch)
+            if self.sources is not None:
+                order = SourceOrder(
+                    self.block_rows, self.sources, self.global_batch, self.seed, epoch, self.source_alpha,
+                    self.source_mode,
+                )  # fmt: skip
+            elif self.bucket_window:
                 order = BucketedOrder(
                     order, self.lengths, self.global_batch, self.bucket_window, self.batches_per_epoch
                 )

@@ -23,7 +23,8 @@ from torch import nn
 
 from pipeline import distributed as dist
 from pipeline.config import from_dict, to_dict
-from pipeline.data.collate import MLMCollator, PairCollator, ViewCollator
+from pipeline.data.collate import MLMCollator, PairCollator, PairShardCollator, ViewCollator
+from pipeline.data.sources import pair_batches, pair_order, refuse_pair_options
 from pipeline.data.stream import BatchStream, MemorySource, ShardSource, index_shards
 from pipeline.data.token_ids import shards_have_ids
 from pipeline.devices import CudaProbe, bind_local_device, probe_cuda, resolve_device
@@ -391,7 +392,16 @@ def build_stream(
     ``data.num_workers: auto`` takes the CPUs per rank (pipeline/train/speed.py)."""
     d, t = cfg.data, cfg.train
     loss = cfg.terms()
-    if loss.unsupervised:
+    pairs = pair_batches(loss, shard_set)  # pair shards vs the loss (pipeline/data/sources.py)
+    refuse_pair_options(d, pairs)
+    order: dict[str, Any] = {}  # pair shards: their batch order by source
+    if pairs:  # pair shards: anchors then positives (docs/pairs.md)
+        blocks = shard_blocks(shard_set, d.verify_shards, rank)
+        teacher = batches_carry_teacher(cfg, shard_set)  # with teacher_positive: distill reads both
+        collate = PairShardCollator(tokenizer, d.max_length, prefix, teacher, loss.needs.text_hashes)
+        source: Any = ShardSource(blocks, collate.columns)
+        order = pair_order(d, shard_set, blocks)
+    elif loss.unsupervised:
         blocks = shard_blocks(shard_set, d.verify_shards, rank)
         k, views = loss.shard_views(d.num_variants, d.num_dropout_views)
         teacher = batches_carry_teacher(cfg, shard_set)  # checked in check_against_data
@@ -400,7 +410,7 @@ def build_stream(
             tokenizer, d.max_length, k, views, prefix, teacher, d.num_hard_negatives, pretokenized,
             loss.needs.text_hashes,
         )  # fmt: skip
-        source: Any = ShardSource(blocks, collate.columns)
+        source = ShardSource(blocks, collate.columns)
         if loss.needs.mlm_probability is not None:  # masks drawn in the loader workers, from the data cursor
             collate = MLMCollator(collate, tokenizer, t.seed, loss.needs.mlm_probability)
     else:
@@ -417,7 +427,7 @@ def build_stream(
     workers = loader_workers(d.num_workers, device)
     return BatchStream(
         source, collate, t.global_batch_size, rank, world, t.seed, workers, d.prefetch_factor, window,
-        pin_memory=device == "cuda",
+        pin_memory=device == "cuda", **order,
     )  # fmt: skip
 
 

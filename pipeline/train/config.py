@@ -82,8 +82,22 @@ class DataConfig:
         "Width of the shards' teacher embeddings; 0 = the student's. If it differs, the distill term "
         "(and luse's teacher_positive) learn a projection of the student to it.",
     )
+    # Pair shards (`pipeline pairs`, docs/pairs.md "Training on pairs"; pipeline/data/sources.py)
+    one_source_per_batch: bool = option(
+        False,
+        "Pair shards: every global batch holds pairs of one source, drawn with probability proportional "
+        "to size^source_alpha (false: every batch holds every source in proportion).",
+    )
+    source_alpha: float = option(0.5, "alpha of one_source_per_batch (1: by size; 0: sources uniformly).")
+    pair_max_rank: int = option(
+        0,
+        "Pair shards: only pairs the teacher's consistency filter ranked within k (checks that the teacher "
+        "stage ran with --pair-top-k between 1 and k, which drops the rest); 0 = no check.",
+    )
 
     def __post_init__(self) -> None:
+        if self.source_alpha < 0 or self.pair_max_rank < 0:
+            raise ConfigError("data.source_alpha and data.pair_max_rank must be >= 0")
         if self.num_variants < 0:
             raise ConfigError("data.num_variants must be >= 0; set --data.num_variants to 0 or more")
         if self.num_dropout_views < 0:

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 # one row (or label) per sentence
 PER_SENTENCE = ("ids", "text_hashes", "labels", "teacher", "mlm_input_ids", "mlm_labels")
+PER_PAIR = ("groups", "positive_text_hashes", "teacher_positive")  # batches of pair shards (pairs.py)
 
 
 def rows_per_sentence(batch: dict[str, Any]) -> int:
@@ -86,6 +87,7 @@ def compute_objective(
         text_hashes=None if text_hashes is None else text_hashes.to(device, non_blocking=True),
         queue_ids=t.queue.negative_ids() if t.queue is not None else None,  # (filled,)
         queue_text_hashes=t.queue.negative_text_hashes() if t.queue is not None else None,  # (filled,)
+        **{k: batch[k].to(device, non_blocking=True) for k in PER_PAIR if k in batch},  # pair shards
     )
     return t.loss(out)
 
@@ -115,7 +117,7 @@ def micro_batches(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
             "input_ids": batch["input_ids"][rows],
             "attention_mask": batch["attention_mask"][rows],
         }
-        for key in PER_SENTENCE:
+        for key in PER_SENTENCE + PER_PAIR:
             if key in batch:
                 mb[key] = batch[key][p * size : (p + 1) * size]
         out.append(mb)

@@ -397,14 +397,30 @@ def write_output_shard(
         table = read_partition(path, None if drops is None else drops[number], seed)
         tables.append(table.slice(lo, hi - lo).combine_chunks())
     rows = pa.concat_tables(tables) if tables else PAIR_SCHEMA.empty_table()
-    blocks = (
-        rows.take(np.arange(start, min(start + rows_per_block, rows.num_rows))).combine_chunks()
-        for start in range(0, rows.num_rows, rows_per_block)
-    )
+    # One source per block (the shard's rows grouped by source, the shuffle order kept within each), so a
+    # trainer knows every block's source from the manifest (``block_sources``) without reading a block.
+    sources = np.asarray(rows["source"].to_pylist(), dtype=object)
+    order = np.argsort(sources, kind="stable") if len(sources) else np.zeros(0, dtype=np.int64)
+    cuts = [
+        (start, min(start + rows_per_block, end))
+        for begin, end in source_runs(sources[order])
+        for start in range(begin, end, rows_per_block)
+    ]
+    blocks = (rows.take(order[lo:hi]).combine_chunks() for lo, hi in cuts)
     entry = write_shard(out / shard_name(shard), blocks, shard)
+    entry["block_sources"] = [str(sources[order[lo]]) for lo, _ in cuts]
     by_source = Counter(rows["source"].to_pylist())
     by_kind = Counter(rows["kind"].to_pylist())
     meta = {**entry, "by_source": dict(sorted(by_source.items())), "by_kind": dict(sorted(by_kind.items()))}
     write_json(shard_entry_path(work, shard), meta)
     progress(entry["sentences"])
     return meta
+
+
+def source_runs(sorted_sources: np.ndarray) -> list[tuple[int, int]]:
+    """[begin, end) of each run of equal values in a sorted array."""
+    if not len(sorted_sources):
+        return []
+    changes = np.flatnonzero(sorted_sources[1:] != sorted_sources[:-1]) + 1
+    starts = [0, *changes.tolist()]
+    return list(zip(starts, [*starts[1:], len(sorted_sources)]))

@@ -270,6 +270,10 @@ def encode_shard(job: ShardJob, encoder: Any, cfg: Config, precision: Precision,
             yield block
 
     entry = write_shard(job.out_dir / job.name, out_blocks(), job.shard_index)
+    if pairs and "block_sources" in job.entry:  # the source of each block kept (pipeline/data/sources.py)
+        starts = np.cumsum([0] + [b.num_rows for b in blocks])
+        kept = [bool(keep[lo:hi].any()) for lo, hi in zip(starts[:-1], starts[1:])]
+        entry["block_sources"] = [s for s, k in zip(job.entry["block_sources"], kept, strict=True) if k]
     return job.write_record(entry, counts)
 
 
