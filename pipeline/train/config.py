@@ -16,13 +16,12 @@ from typing import Any, Literal
 
 from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError
-from pipeline.losses import TERMS, Loss, build_loss
+from pipeline.losses import DEFAULT_LOSS, TERMS, Loss, build_loss
 from pipeline.losses.legacy import LegacyObjective, convert_objective
 from pipeline.losses.terms import HARD_NEGATIVES, MLM_LOGITS, TEACHER, as_entries
 from pipeline.shards import ShardSet
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_LOSS = [{"luse": {}, "weight": 1.0}]
 log = logging.getLogger(__name__)
 
 

@@ -29,6 +29,7 @@ from pipeline import progress
 from pipeline.config import to_dict
 from pipeline.evaluate.sts import score_pairs
 from pipeline.losses import StepOutput
+from pipeline.run_layout import step_of
 from pipeline.train.build import Trainer
 from pipeline.train.checkpoint import save_model
 from pipeline.train.gradcache import chunked_forward_backward
@@ -562,7 +563,7 @@ def roll_back(t: Trainer, spike: SpikeDetector) -> None:
     skip_to = cursor.epoch * per_epoch + cursor.batches + t.cfg.guard.spike_skip_batches
     target = None
     if t.checkpointer is not None and dist.is_main_process():
-        before = [p for p in t.checkpointer.checkpoints() if int(p.name.split("-")[1]) < began]
+        before = [p for p in t.checkpointer.checkpoints() if step_of(p.name) < began]
         target = str(before[-1]) if before else None
     target = dist.broadcast_object(target)
     if target is None:
