@@ -206,3 +206,17 @@ def test_tiny_train_on_pair_shards_distill_plus_pairs(pair_data, tmp_path):
     assert all(r["contrastive_loss"] > 0 for r in steps)
     assert "false_negatives_count" in steps[0]
     assert dump["step"] == 4 and dump["cursor"]["batches"] == 4
+
+
+@pytest.mark.parametrize("sources", [True, False], ids=["one-source", "mixed"])
+def test_tiny_train_distillation_alone_on_pair_shards(pair_data, tmp_path, sources):
+    """The study's control arm: distill alone on the same pairs, both sides, by source or mixed."""
+    from _train_data import run_and_dump
+
+    cfg = pair_config(tmp_path, pair_data["taught"], [{"distill": {}}],
+                      **{"train.debug_dump": True, "data.one_source_per_batch": sources})  # fmt: skip
+    dump = run_and_dump(cfg)
+    records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r and "step" in r]
+    assert len(losses) == 4 and all(0 < v < 2 for v in losses)  # 1 - cos, averaged over both sides
+    assert dump["cursor"]["source_mode"] == ("batch" if sources else "mixed")
