@@ -14,16 +14,50 @@ float16, so an int8 set reads in tools without half floats (2 more bytes a row, 
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 
 from pipeline.errors import InputError
 
 DTYPES = ("float16", "int8")  # what ``teacher --dtype`` writes and the manifest's ``teacher.dtype`` says
+MIN_HASH_PREFIX = 8  # hex digits of the teacher's hash that name it (data.teacher, teacher --model)
 INT8_LEVELS = 127  # codes in [-127, 127]: symmetric, -128 unused
 SCALE_COLUMNS = {"teacher": "teacher_scale", "teacher_variants": "teacher_variant_scales"}
 
 
+# ------------------------------------------------------------------------------ the manifest's record
+def stored_dtype(teacher: dict[str, Any], shards: str | Path) -> str:
+    """The recorded ``teacher.dtype`` (``float16`` when absent: sets written before int8 existed)."""
+    dtype = str(teacher.get("dtype") or "float16")
+    if dtype not in DTYPES:
+        raise InputError(
+            f"{Path(shards) / 'manifest.json'}: teacher vectors stored as {dtype!r}, which this version "
+            f"cannot read ({' or '.join(DTYPES)}); use the version that wrote them or re-encode with "
+            "`python -m pipeline teacher`"
+        )
+    return dtype
+
+
+def matches(teacher: dict[str, Any], wanted: str) -> bool:
+    """Does ``wanted`` (``data.teacher``: a name, folder name or path, or a hash prefix of at least
+    :data:`MIN_HASH_PREFIX` hex digits) name the manifest's recorded ``teacher``?"""
+    wanted = wanted.strip().rstrip("/")
+    recorded = [str(teacher.get("name") or "").rstrip("/"), str(teacher.get("path") or "")]
+    names = {n for n in recorded if n} | {Path(n).name for n in recorded if n}
+    if wanted in names or (Path(wanted).exists() and str(Path(wanted).resolve()) in names):
+        return True
+    digest = teacher.get("hash") or ""
+    return len(wanted) >= MIN_HASH_PREFIX and bool(digest) and digest.startswith(wanted.lower())
+
+
+def describe(teacher: dict[str, Any]) -> str:
+    return f"{teacher.get('name')} (hash {str(teacher.get('hash'))[:12]}, dim {teacher.get('dim')})"
+
+
+# ------------------------------------------------------------------------------------------ the columns
 def quantize_int8(vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(N, D) floats -> (N, D) int8 codes ``round(v / s * 127)`` and (N,) float32 scales ``s = max|v|``."""
     v = np.asarray(vectors, dtype=np.float32)

@@ -108,3 +108,27 @@ def full_and_resumed(tmp_path: Path, make_cfg, stop: int, total: int) -> tuple[d
     full = run_and_dump(make_cfg(tmp_path / "full", total))
     run_and_dump(make_cfg(tmp_path / "split", stop))
     return full, run_and_dump(make_cfg(tmp_path / "split", total))
+
+
+def with_teacher(shards: Path, out: Path, dim: int, seed: int = 0) -> Path:
+    """A copy of ``shards`` as the teacher stage would write it, with random unit ``teacher`` vectors of
+    width ``dim`` (float16) and a manifest that records a teacher of that width (no model involved)."""
+    import numpy as np
+
+    from pipeline.shards import read_manifest, read_shard
+    from pipeline.vectors import vector_column
+
+    out.mkdir(parents=True, exist_ok=True)
+    manifest, rng = read_manifest(shards), np.random.default_rng(seed)
+    entries = []
+    for s, entry in enumerate(manifest["shards"]):
+        blocks = []
+        for table in read_shard(shards / entry["name"]):
+            vectors = rng.standard_normal((table.num_rows, dim))
+            vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+            blocks.append(table.append_column("teacher", vector_column(vectors.astype(np.float16))))
+        entries.append(write_shard(out / shard_name(s), blocks, s))
+    teacher = {"name": "random-teacher", "hash": "0" * 64, "dim": dim, "dtype": "float16"}
+    config = manifest["config"]
+    write_manifest(out, new_manifest("teacher", {}, entries, counts={}, input_config=config, teacher=teacher))
+    return out

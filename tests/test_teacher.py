@@ -16,11 +16,11 @@ from _train_data import debug_config, debug_luse
 
 from pipeline.errors import ConfigError, InputError
 from pipeline.resources import sample_sentences
-from pipeline.shards import read_manifest, read_shard
+from pipeline.shards import read_manifest, read_shard, read_shard_set
 from pipeline.stages.teacher import run as teacher_run
-from pipeline.stages.teacher.identity import batches_carry_teacher, check_shards
 from pipeline.stages.teacher.negatives import MineParams, Pool, select_negatives
 from pipeline.stages.teacher.run import Config, run
+from pipeline.train.plan import check_against_data, recorded_teacher
 from pipeline.vectors import teacher_matrix
 
 PREFIX = "问："
@@ -285,16 +285,21 @@ def test_mined_negatives_in_the_shards(taught):
 
 
 # --------------------------------------------------------------------------------------------- training side
+def batches_carry_teacher(cfg) -> bool:
+    """The data plan's answer (pipeline/train/plan.py): do the batches carry batch["teacher"]?"""
+    return check_against_data(cfg, read_shard_set(cfg.data.shards), 1).teacher
+
+
 def test_trainer_checks_the_teacher(tmp_path, taught, shards, teacher_dir):
     digest = read_manifest(taught)["teacher"]["hash"]
     for name in (str(teacher_dir), "tiny-teacher", digest[:10]):
-        assert check_shards(taught, name)["hash"] == digest
+        assert recorded_teacher(read_shard_set(taught), name)["hash"] == digest
     with pytest.raises(ConfigError, match="data.teacher='e5-small' but .*tiny-teacher"):
-        check_shards(taught, "e5-small")
+        recorded_teacher(read_shard_set(taught), "e5-small")
     with pytest.raises(ConfigError, match="python -m pipeline teacher"):
-        check_shards(shards, "tiny-teacher")
+        recorded_teacher(read_shard_set(shards), "tiny-teacher")
     with pytest.raises(ConfigError, match="num_hard_negatives=4 but .*caches 3"):
-        check_shards(taught, None, num_hard_negatives=4)
+        recorded_teacher(read_shard_set(taught), None, num_hard_negatives=4)
     cfg = debug_config(tmp_path, taught, **{"data.teacher": "another-teacher"})
     with pytest.raises(ConfigError, match="another-teacher"):
         batches_carry_teacher(cfg)

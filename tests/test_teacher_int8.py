@@ -16,8 +16,8 @@ from test_teacher import BLOCKS, MINE, build_teacher, table, teach
 
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_json
-from pipeline.shards import read_manifest, read_shard
-from pipeline.stages.teacher.identity import check_shards
+from pipeline.shards import read_manifest, read_shard, read_shard_set
+from pipeline.train.plan import recorded_teacher
 from pipeline.vectors import block_teacher, encode_vectors, teacher_matrix, variant_matrices
 
 DIM = 24
@@ -181,7 +181,7 @@ def test_a_dtype_this_version_does_not_know_is_one_line(sets, tmp_path):
     manifest["teacher"]["dtype"] = "int4"
     atomic_write_json(future / "manifest.json", manifest)
     with pytest.raises(InputError, match="stored as 'int4', which this version cannot read") as caught:
-        check_shards(future, "tiny-teacher")
+        recorded_teacher(read_shard_set(future), "tiny-teacher")
     assert "\n" not in str(caught.value)
     with pytest.raises(InputError, match="int4"):
         teach(future, tmp_path / "conv", "", dtype="int8")

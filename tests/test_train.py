@@ -109,8 +109,12 @@ def test_keep_best_exports_the_initial_weights_when_no_step_beats_them(tmp_path,
 
 
 def test_distillation_hard_negatives_and_teacher_queue_in_train_step(tmp_path, shards):
+    from _train_data import with_teacher
+
     from pipeline.train.build import build
     from pipeline.train.loop import train_step
+
+    shards = with_teacher(shards, tmp_path / "taught", 12)  # the terms read a teacher: the shards hold one
 
     overrides = {
         "loss": [

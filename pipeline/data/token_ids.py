@@ -58,7 +58,13 @@ def shards_have_ids(shards: str | Path | ShardSet, tokenizer: Any, prefix: str, 
     padding them would train on the wrong tokens without a sign.
     """
     info = read_shard_set(shards)
-    recorded, shards = info.tokenizer, info.directory
+    return ids_usable(info.tokenizer, info.directory, tokenizer, prefix, max_length)
+
+
+def ids_usable(
+    recorded: dict[str, Any] | None, shards: Path, tokenizer: Any, prefix: str, max_length: int
+) -> bool:
+    """:func:`shards_have_ids` on a shard set's tokenizer record (``ShardSet.tokenizer``; None: no ids)."""
     if recorded is None:
         return False
     mine = tokenizer_hash(tokenizer, prefix, max_length)

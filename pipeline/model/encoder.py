@@ -287,6 +287,7 @@ class SentenceEncoder(nn.Module):
         pooling: str | None = None,
         max_length: int | None = None,
         prefix: str | None = None,
+        tokenizer: Any = None,
         **kwargs: Any,
     ) -> SentenceEncoder:
         """Load a backbone and tokenizer by Hub name or local folder.
@@ -295,20 +296,12 @@ class SentenceEncoder(nn.Module):
         (``encoder.json``, else the sentence-transformers module files); a folder without a pooling
         rule and no ``pooling`` is a :class:`ConfigError`, never a silent default. ``max_length``
         falls back to 64, ``prefix`` to none. The backbone is built without its pooler: the pooler is
-        unused, and DDP fails on parameters that get no gradient.
+        unused, and DDP fails on parameters that get no gradient. ``tokenizer``: the folder's, already
+        loaded by :func:`load_tokenizer` (the trainer checks the data against it first).
         """
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
-        local = Path(name_or_dir)
-        if str(name_or_dir).startswith((".", "/")) and not local.exists():
-            raise InputError(f"model folder {name_or_dir} does not exist")
-        rule = read_rule(name_or_dir)
-        source, where = str(name_or_dir), {}
-        if rule.transformer_dir:  # an old sentence-transformers layout: the transformer in 0_Transformer/
-            if local.is_dir():
-                source = str(local / rule.transformer_dir)
-            else:
-                where = {"subfolder": rule.transformer_dir}
+        rule, source, where = _transformer_source(name_or_dir)
         try:
             if not (pooling or rule.pooling):
                 # a model that does not exist is reported as such, not as a missing rule
@@ -317,7 +310,8 @@ class SentenceEncoder(nn.Module):
                     f"{name_or_dir} has no pooling rule (no {ENCODER_FILE}, no sentence-transformers "
                     f"modules.json); {POOLING_HELP}"
                 )
-            tokenizer = AutoTokenizer.from_pretrained(source, **where)
+            if tokenizer is None:
+                tokenizer, _ = load_tokenizer(name_or_dir)
             backbone = load_backbone(source, **where, **kwargs)
         except OSError as exc:
             raise InputError(f"cannot load model {name_or_dir!r}: {exc}".splitlines()[0]) from None
@@ -336,6 +330,34 @@ class SentenceEncoder(nn.Module):
                 f"features but the transformer gives {hidden}"
             )
         return encoder
+
+
+def _transformer_source(name_or_dir: str | Path) -> tuple[Any, str, dict[str, Any]]:
+    """(the folder's rule, where its transformer lies, transformers' extra arguments for it)."""
+    local = Path(name_or_dir)
+    if str(name_or_dir).startswith((".", "/")) and not local.exists():
+        raise InputError(f"model folder {name_or_dir} does not exist")
+    rule = read_rule(name_or_dir)
+    source, where = str(name_or_dir), {}
+    if rule.transformer_dir:  # an old sentence-transformers layout: the transformer in 0_Transformer/
+        if local.is_dir():
+            source = str(local / rule.transformer_dir)
+        else:
+            where = {"subfolder": rule.transformer_dir}
+    return rule, source, where
+
+
+def load_tokenizer(name_or_dir: str | Path, prefix: str | None = None) -> tuple[Any, str]:
+    """(tokenizer, text prefix) of a Hub name or local folder, as :meth:`SentenceEncoder.from_pretrained`
+    resolves them, without loading the weights: ``prefix`` given wins, else the folder's rule, else none."""
+    from transformers import AutoTokenizer
+
+    rule, source, where = _transformer_source(name_or_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **where)
+    except OSError as exc:
+        raise InputError(f"cannot load model {name_or_dir!r}: {exc}".splitlines()[0]) from None
+    return tokenizer, (rule.prefix or "") if prefix is None else prefix
 
 
 def _dense_kwargs(name_or_dir: str | Path, rule: Any) -> dict[str, Any]:

@@ -24,24 +24,24 @@ from torch import nn
 from pipeline import distributed as dist
 from pipeline.config import from_dict, to_dict
 from pipeline.data.collate import MLMCollator, PairCollator, PairShardCollator, ViewCollator
-from pipeline.data.sources import pair_batches, pair_order, refuse_pair_options
+from pipeline.data.sources import pair_order, refuse_pair_options
 from pipeline.data.stream import BatchStream, MemorySource, ShardSource, index_shards
-from pipeline.data.token_ids import shards_have_ids
 from pipeline.devices import CudaProbe, bind_local_device, probe_cuda, resolve_device
 from pipeline.errors import ConfigError, InputError, PipelineError
 from pipeline.evaluate.sts import PairSet, read_pair_file
 from pipeline.losses import Loss
 from pipeline.losses.legacy import split_objective
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
+from pipeline.model.encoder import load_tokenizer as load_model_tokenizer
 from pipeline.model.heads import MLMHead, TrainModule
 from pipeline.model.layers import keep_layers
 from pipeline.model.vocab import SCRATCH_SMALL, read_model_config, unk_rate, write_vocab
 from pipeline.resources import EVAL_DIR
 from pipeline.shards import ShardSet, read_shard, read_shard_set, shard_paths
-from pipeline.stages.teacher.identity import batches_carry_teacher
 from pipeline.train.checkpoint import Checkpointer, check_compatible
-from pipeline.train.config import Config, check_against_data, resolve_path
+from pipeline.train.config import Config, resolve_path
 from pipeline.train.metrics import MetricsLogger
+from pipeline.train.plan import DataPlan, check_against_data
 from pipeline.train.schedule import LRSchedule
 from pipeline.train.signals import PreemptionHandler
 from pipeline.train.speed import apply_tf32, loader_workers, resolve_precision
@@ -280,12 +280,24 @@ def set_dropout(backbone: nn.Module, p: float) -> None:
             module.p = p
 
 
-def build_encoder(cfg: Config) -> SentenceEncoder:
+def load_tokenizer(cfg: Config) -> tuple[Any, str]:
+    """(tokenizer, text prefix) of the encoder :func:`build_encoder` builds, before its weights: the data
+    checks (:func:`pipeline.train.plan.check_against_data`) and the batches need them."""
     m = cfg.model
     if m.name_or_path:
+        return load_model_tokenizer(m.name_or_path, m.prefix)
+    return build_tokenizer(cfg), m.prefix or ""
+
+
+def build_encoder(cfg: Config, tokenizer: Any = None) -> SentenceEncoder:
+    """The encoder of ``model``; ``tokenizer``: its own, when :func:`load_tokenizer` loaded it already."""
+    m = cfg.model
+    tokenizer = load_tokenizer(cfg)[0] if tokenizer is None else tokenizer
+    if m.name_or_path:
         encoder = SentenceEncoder.from_pretrained(
-            m.name_or_path, pooling=m.pooling, max_length=cfg.data.max_length, prefix=m.prefix
-        )
+            m.name_or_path, pooling=m.pooling, max_length=cfg.data.max_length, prefix=m.prefix,
+            tokenizer=tokenizer,
+        )  # fmt: skip
         if m.dropout is not None:
             set_dropout(encoder.backbone, m.dropout)
         if m.layers is not None:
@@ -296,7 +308,6 @@ def build_encoder(cfg: Config) -> SentenceEncoder:
     path = resolve_path(m.scratch_config) if m.scratch_config is not None else SCRATCH_SMALL
     if not path.is_file():
         raise ConfigError(f"model.scratch_config: {path} does not exist; point it to a BertConfig JSON")
-    tokenizer = build_tokenizer(cfg)
     dropout = (
         {}
         if m.dropout is None
@@ -380,35 +391,34 @@ def shard_blocks(shards: ShardSet, verify: bool, rank: int) -> list[Any]:
 
 def build_stream(
     cfg: Config,
-    shard_set: ShardSet | None,
+    plan: DataPlan | ShardSet | None,
     tokenizer: Any,
     rank: int,
     world: int,
     prefix: str = "",
     device: str = "cpu",
 ) -> BatchStream:
-    """This rank's batches, from ``shard_set`` (None: the supervised file); ``prefix`` is the encoder's
-    text prefix, put before every text once. On ``device`` cuda the batches are pinned and
+    """This rank's batches, as ``plan`` (:func:`pipeline.train.plan.check_against_data`) resolved them;
+    a shard set (None: the supervised file) is resolved here first. ``prefix`` is the encoder's text
+    prefix, put before every text once. On ``device`` cuda the batches are pinned and
     ``data.num_workers: auto`` takes the CPUs per rank (pipeline/train/speed.py)."""
     d, t = cfg.data, cfg.train
     loss = cfg.terms()
-    pairs = pair_batches(loss, shard_set)  # pair shards vs the loss (pipeline/data/sources.py)
-    refuse_pair_options(d, pairs)
-    order: dict[str, Any] = {}  # pair shards: their batch order by source
-    if pairs:  # pair shards: anchors then positives (docs/pairs.md)
-        blocks = shard_blocks(shard_set, d.verify_shards, rank)
-        teacher = batches_carry_teacher(cfg, shard_set)  # with teacher_positive: distill reads both
-        collate = PairShardCollator(tokenizer, d.max_length, prefix, teacher, loss.needs.text_hashes)
+    if not isinstance(plan, DataPlan):
+        plan = check_against_data(cfg, plan, world, tokenizer, prefix)
+    refuse_pair_options(d, plan.pairs)
+    order: dict[str, Any] = {}  # pair shards: their batch order by source (pipeline/data/sources.py)
+    if plan.pairs:  # pair shards: anchors then positives (docs/pairs.md)
+        blocks = shard_blocks(plan.shard_set, d.verify_shards, rank)
+        # with teacher_positive: distill reads both
+        collate = PairShardCollator(tokenizer, d.max_length, prefix, plan.teacher, plan.text_hashes)
         source: Any = ShardSource(blocks, collate.columns)
-        order = pair_order(d, shard_set, blocks)
-    elif loss.unsupervised:
-        blocks = shard_blocks(shard_set, d.verify_shards, rank)
-        k, views = loss.shard_views(d.num_variants, d.num_dropout_views)
-        teacher = batches_carry_teacher(cfg, shard_set)  # checked in check_against_data
-        pretokenized = shards_have_ids(shard_set, tokenizer, prefix, d.max_length)  # refuses other ids
+        order = pair_order(d, plan.shard_set, blocks)
+    elif plan.shard_set is not None:
+        blocks = shard_blocks(plan.shard_set, d.verify_shards, rank)
         collate = ViewCollator(
-            tokenizer, d.max_length, k, views, prefix, teacher, d.num_hard_negatives, pretokenized,
-            loss.needs.text_hashes,
+            tokenizer, d.max_length, plan.num_variants, plan.num_dropout_views, prefix, plan.teacher,
+            plan.num_hard_negatives, plan.token_ids, plan.text_hashes,
         )  # fmt: skip
         source = ShardSource(blocks, collate.columns)
         if loss.needs.mlm_probability is not None:  # masks drawn in the loader workers, from the data cursor
@@ -442,13 +452,14 @@ def build_queue(cfg: Config, encoder: SentenceEncoder) -> tuple[nn.Module | None
     return queue, (MomentumEncoder(encoder) if needs_forward(needs.momentum) else None)
 
 
-def build_teacher_queue(cfg: Config, queue: nn.Module | None) -> nn.Module | None:
-    """When a term declares one (kl) beside a queue: the teacher embeddings of the queued sentences."""
+def build_teacher_queue(cfg: Config, queue: nn.Module | None, teacher_dim: int | None) -> nn.Module | None:
+    """When a term declares one (kl) beside a queue: the teacher embeddings of the queued sentences,
+    ``teacher_dim`` wide (the data plan's, from the manifest)."""
     from pipeline.train.queue import NegativeQueue
 
     if queue is None or not cfg.terms().needs.teacher_queue:
         return None
-    return NegativeQueue(queue.size, cfg.data.teacher_dim or queue.dim)
+    return NegativeQueue(queue.size, teacher_dim or queue.dim)
 
 
 def build_checkpointer(cfg: Config, model: nn.Module) -> Checkpointer:
@@ -501,17 +512,21 @@ def build(cfg: Config) -> Trainer:
     world, rank = accelerator.num_processes, accelerator.process_index
     loss = cfg.terms()
     shard_set = read_shard_set(cfg.data.shards) if loss.unsupervised else None  # the manifest, once
-    check_against_data(cfg, shard_set, world)
+    tokenizer, prefix = load_tokenizer(cfg)  # before the weights: the data checks need it
+    plan = check_against_data(cfg, shard_set, world, tokenizer, prefix)  # every check of the data
     write_run_config(cfg)
     dist.barrier()
+    started = time.perf_counter()  # the batches (index checks, a supervised file read) before any model
+    stream = build_stream(cfg, plan, tokenizer, rank, world, prefix, accelerator.device.type)
+    planned = time.perf_counter() - started
 
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     started = time.perf_counter()
-    encoder = build_encoder(cfg)
+    encoder = build_encoder(cfg, tokenizer)
     log.info("model: %s built in %.1f s", cfg.model.name_or_path or "scratch", time.perf_counter() - started)
     if cfg.model.freeze_embeddings:
         encoder.backbone.get_input_embeddings().requires_grad_(False)
-    head = loss.build_head(encoder.dim, cfg.data.teacher_dim)
+    head = loss.build_head(encoder.dim, plan.teacher_dim or 0)  # the teacher's width from the manifest
     mlm_head = None
     if loss.needs.mlm_probability is not None:  # after the encoder: without MLM the initial weights as before
         bc = encoder.backbone.config
@@ -521,15 +536,10 @@ def build(cfg: Config) -> Trainer:
     metrics = MetricsLogger(cfg.run_dir, enabled=accelerator.is_main_process)
     if accelerator.is_main_process:
         report_unk_rate(encoder, metrics)
-    started = time.perf_counter()
-    stream = build_stream(
-        cfg, shard_set, encoder.tokenizer, rank, world, encoder.prefix, accelerator.device.type
-    )
-    planned = time.perf_counter() - started
     total = cfg.train.max_steps or cfg.train.epochs * stream.batches_per_epoch
     optimizer = build_optimizer(cfg, module)
     queue, momentum = build_queue(cfg, encoder)
-    teacher_queue = build_teacher_queue(cfg, queue)
+    teacher_queue = build_teacher_queue(cfg, queue, plan.teacher_dim)
     for m in (queue, momentum, teacher_queue):
         if m is not None:
             m.to(accelerator.device)

@@ -1,10 +1,11 @@
 """The training configuration: one typed dataclass per section, validated before anything runs.
 
 Checks that need only the config live in ``__post_init__``; checks that need the world size or the
-data on disk (global batch vs ranks, k vs the cached variants, the teacher and hard negatives the
-shards hold) live in :func:`check_against_data`, which :func:`pipeline.train.build.build` calls with
-the shard set's manifest (read once) before it builds a model. Every mistake is a
-:class:`ConfigError` whose message says what to change.
+data on disk (global batch vs ranks, k vs the cached variants, the teacher, its width and the hard
+negatives the shards hold, their token ids) live in :func:`pipeline.train.plan.check_against_data`,
+which :func:`pipeline.train.build.build` calls with the shard set's manifest (read once) before it
+builds a model, and which returns the resolved :class:`~pipeline.train.plan.DataPlan`. Every mistake
+is a :class:`ConfigError` whose message says what to change.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pipeline.errors import ConfigError
 from pipeline.losses import DEFAULT_LOSS, TERMS, Loss, build_loss
 from pipeline.losses.legacy import LegacyObjective, convert_objective
 from pipeline.losses.terms import HARD_NEGATIVES, MLM_LOGITS, TEACHER, as_entries
-from pipeline.shards import ShardSet
+from pipeline.train.plan import DataPlan, check_against_data  # noqa: F401 (its callers import it here)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger(__name__)
@@ -78,8 +79,10 @@ class DataConfig:
     )
     teacher_dim: int = option(
         0,
-        "Width of the shards' teacher embeddings; 0 = the student's. If it differs, the distill term "
-        "(and luse's teacher_positive) learn a projection of the student to it.",
+        "Optional check: the width of the shards' teacher embeddings, which the trainer reads from their "
+        "manifest (0 = no check). Set and different from the manifest's: a ConfigError. When the teacher's "
+        "width differs from the student's, the distill term (and luse's teacher_positive) learn a "
+        "projection of the student to it.",
     )
     # Pair shards (`pipeline pairs`, docs/pairs.md "Training on pairs"; pipeline/data/sources.py)
     one_source_per_batch: bool = option(
@@ -114,7 +117,7 @@ class DataConfig:
         if self.num_hard_negatives < 0:
             raise ConfigError("data.num_hard_negatives must be >= 0 (0 = none)")
         if self.teacher_dim < 0:
-            raise ConfigError("data.teacher_dim must be >= 0 (0 = the student's width)")
+            raise ConfigError("data.teacher_dim must be >= 0 (0 = the manifest's width, unchecked)")
 
 
 @dataclass
@@ -429,30 +432,3 @@ class Config:
     def num_views(self) -> int:
         """Views per sentence n: luse 1 + k + d, simcse 2, the supervised ones their texts, else 1."""
         return self.terms().num_views(self.data.num_variants, self.data.num_dropout_views)
-
-
-def check_against_data(cfg: Config, shard_set: ShardSet | None, world_size: int) -> None:
-    """Every check that needs the world size or the shard set (its manifest, read once by
-    :func:`pipeline.shards.read_shard_set`; None for a supervised file); raise before any model is built."""
-    from pipeline.stages.teacher.identity import batches_carry_teacher
-    from pipeline.train.queue import validate_queue_size
-
-    per_rank, accum = cfg.train.global_batch_size, cfg.train.grad_accum_steps
-    if per_rank % (world_size * accum):
-        raise ConfigError(
-            f"train.global_batch_size ({per_rank}) must be divisible by world size x grad_accum_steps "
-            f"({world_size} x {accum} = {world_size * accum}); pick a multiple of {world_size * accum}"
-        )
-    queue_size = cfg.terms().needs.queue_size
-    if queue_size:
-        validate_queue_size(queue_size, per_rank // accum)
-    if shard_set is None:
-        return
-    variants = cfg.terms().main is not None and cfg.terms().main.uses_variants
-    if variants and cfg.data.num_variants > shard_set.num_variants:
-        raise ConfigError(
-            f"data.num_variants={cfg.data.num_variants} but the shards in {cfg.data.shards} cache "
-            f"{shard_set.num_variants} variants per sentence; set --data.num_variants <= "
-            f"{shard_set.num_variants} or re-run augment with more variants"
-        )
-    batches_carry_teacher(cfg, shard_set)  # data.teacher, num_hard_negatives, teacher_dim vs the manifest
