@@ -13,6 +13,10 @@ rows of similar length, so padding to the batch's longest row wastes little. The
 function of (seed, epoch, manifest, G, W) and a global batch still holds the same samples at any
 world size; only the samples within a window change batches.
 
+Pair shards whose manifest records each block's source are batched by source instead
+(:class:`~pipeline.data.sources.SourceOrder`: one source per global batch, or every source in proportion),
+also a pure function of (seed, epoch, manifest, G, alpha) cut into global batches the same way.
+
 The cursor is ``(epoch, batches consumed)``: it names a position in the global stream, so it means
 the same thing at any world size or number of loader workers. Resuming seeks straight to the block
 that holds the next batch (block offsets come from the shards' block indexes, read at start without
