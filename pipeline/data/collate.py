@@ -1,12 +1,14 @@
-"""Collators: rows of the shards (or of a pairs file) -> the tensors of one batch.
+"""Collators: rows of the shards (or of a pairs file) -> one :class:`Batch`.
 
-Every collator runs in the loader workers, so it holds only picklable state.
+Every collator runs in the loader workers, so it holds only picklable state (and a Batch pickles).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,134 @@ import torch
 from pipeline.data.token_ids import TEXT_COLUMNS, TOKEN_ID_COLUMNS, pad_ids
 from pipeline.losses.mlm import MASK_PROB, batch_generator, mask_tokens
 from pipeline.normalize import normalize_text
+
+# How Batch.split cuts a field into micro-batches (every field declares one, so none can be dropped).
+ROWS, SENTENCES, SCALAR = "rows", "sentences", "scalar"
+
+
+def _rows() -> Any:
+    return dataclasses.field(metadata={"split": ROWS})
+
+
+def _per_sentence() -> Any:
+    return dataclasses.field(default=None, metadata={"split": SENTENCES})
+
+
+def _scalar(default: Any = None) -> Any:
+    return dataclasses.field(default=default, metadata={"split": SCALAR})
+
+
+@dataclass
+class Batch:
+    """One rank's batch (or a micro-batch of it): what every collator returns and the step reads.
+
+    Rows are view-major: row ``v * B + i`` is view v of sentence i (v < n, ``num_views``), then row
+    ``n * B + j * B + i`` is hard negative j of sentence i (j < m, ``num_hard_negatives``). Per-sentence
+    fields hold B rows (or labels) in sentence order; None where the run has no such column.
+
+    ``batch[name]``, ``name in batch`` (set, not None), ``batch.get(name, default)``, ``keys()`` and
+    ``items()`` (the set fields) read it by name, for hooks and tests that inspect a batch; an unknown
+    name is a KeyError, never a silent None.
+    """
+
+    input_ids: torch.Tensor = _rows()  # ((n + m) * B, L) int64
+    attention_mask: torch.Tensor = _rows()  # ((n + m) * B, L) int64
+    num_views: int = _scalar()  # n
+    num_hard_negatives: int = _scalar(0)  # m
+    ids: torch.Tensor | None = _per_sentence()  # (B,) int64 sentence ids (pair files: record index)
+    text_hashes: torch.Tensor | None = _per_sentence()  # (B,) int64 hashes of the normalised texts
+    labels: torch.Tensor | None = _per_sentence()  # (B,) scores or class ids (a supervised file)
+    teacher: torch.Tensor | None = _per_sentence()  # (B, D_t) float32 cached teacher embeddings
+    mlm_input_ids: torch.Tensor | None = _per_sentence()  # (B, L) the originals, masked (the mlm term)
+    mlm_labels: torch.Tensor | None = _per_sentence()  # (B, L) ids at the masked positions, -100 elsewhere
+    groups: torch.Tensor | None = _per_sentence()  # (B,) int64 pair groups (pair shards)
+    teacher_positive: torch.Tensor | None = _per_sentence()  # (B, D_t) the positives' teacher rows
+    positive_text_hashes: torch.Tensor | None = _per_sentence()  # (B,) int64 the positives' text hashes
+    epoch: int | None = _scalar()  # where the stream took it: the epoch and the batch's index in it
+    batch: int | None = _scalar()
+
+    @property
+    def rows_per_sentence(self) -> int:
+        """n views plus m hard negatives: the rows are (n + m) blocks of B."""
+        return self.num_views + self.num_hard_negatives
+
+    @property
+    def num_sentences(self) -> int:
+        return self.input_ids.shape[0] // self.rows_per_sentence  # B
+
+    def at(self, epoch: int, batch: int) -> Batch:
+        """This batch, marked with its position in the stream (the stream sets it)."""
+        self.epoch, self.batch = epoch, batch
+        return self
+
+    def split(self, parts: int) -> list[Batch]:
+        """``parts`` micro-batches of whole sentences: row fields cut view-major (each keeps its sentences'
+        n views and m hard negatives, in the same block order), per-sentence fields cut in sentence order,
+        scalars copied. Every field is cut by its declared kind, so a new field cannot be dropped."""
+        if parts == 1:
+            return [self]
+        blocks, b = self.rows_per_sentence, self.num_sentences
+        if b % parts:
+            raise ValueError(f"a batch of {b} sentences does not split into {parts} equal micro-batches")
+        size = b // parts
+        out = []
+        for p in range(parts):
+            rows = torch.cat([torch.arange(v * b + p * size, v * b + (p + 1) * size) for v in range(blocks)])
+            values = {}
+            for f in dataclasses.fields(self):
+                value, kind = getattr(self, f.name), f.metadata["split"]
+                if value is None or kind == SCALAR:
+                    values[f.name] = value
+                elif kind == ROWS:
+                    values[f.name] = value[rows]
+                else:
+                    values[f.name] = value[p * size : (p + 1) * size]
+            out.append(Batch(**values))
+        return out
+
+    def inputs(self, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """The encoder's inputs on ``device`` (asynchronous from pinned memory)."""
+        return {k: getattr(self, k).to(device, non_blocking=True) for k in ("input_ids", "attention_mask")}
+
+    def pin_memory(self) -> Batch:
+        """Every tensor in page-locked memory; torch's pin-memory thread calls this (DataLoader
+        ``pin_memory=True``) as it does for a tensor."""
+        values = {name: getattr(self, name) for name in _FIELDS}
+        return dataclasses.replace(
+            self, **{k: v.pin_memory() for k, v in values.items() if isinstance(v, torch.Tensor)}
+        )
+
+    @classmethod
+    def of(cls, batch: Batch | dict[str, Any]) -> Batch:
+        """``batch`` as a Batch: a mapping of field names (a hand-made batch) is converted."""
+        return batch if isinstance(batch, Batch) else cls(**batch)
+
+    def _field(self, name: str) -> str:
+        if name not in _FIELDS:
+            raise KeyError(f"a Batch has no field {name!r} (fields: {', '.join(_FIELDS)})")
+        return name
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self, self._field(name))
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        setattr(self, self._field(name), value)
+
+    def __contains__(self, name: object) -> bool:
+        return name in _FIELDS and getattr(self, str(name)) is not None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = getattr(self, self._field(name))
+        return default if value is None else value
+
+    def keys(self) -> list[str]:
+        return [name for name in _FIELDS if getattr(self, name) is not None]
+
+    def items(self) -> list[tuple[str, Any]]:
+        return [(name, getattr(self, name)) for name in self.keys()]
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Batch))
 
 
 def text_hashes(texts: Sequence[Any]) -> torch.Tensor:
@@ -108,7 +238,7 @@ class ViewCollator:
         extra = ("teacher",) * teacher + (self.sources[2],) * (num_hard_negatives > 0)
         self.columns = ("id", self.sources[0], self.sources[1]) + extra
 
-    def __call__(self, rows: dict[str, list[Any]]) -> dict[str, Any]:
+    def __call__(self, rows: dict[str, list[Any]]) -> Batch:
         text_column, variants_column, negatives_column = self.sources
         texts = rows[text_column]  # strings, or id arrays: the view logic is the same
         b = len(texts)
@@ -124,19 +254,15 @@ class ViewCollator:
             cut = (1 + self.k) * b
             ids = torch.cat([ids[:cut], ids[:b].repeat(self.d, 1), ids[cut:]])
             mask = torch.cat([mask[:cut], mask[:b].repeat(self.d, 1), mask[cut:]])
-        out = {
-            "ids": torch.tensor(np.asarray(rows["id"], dtype=np.uint64).view(np.int64)),
-            "input_ids": ids,  # ((n + m) * B, L)
-            "attention_mask": mask,  # ((n + m) * B, L)
-            "num_views": 1 + self.k + self.d,
-        }
-        if self.m:
-            out["num_hard_negatives"] = self.m
-        if self.teacher:
-            out["teacher"] = torch.from_numpy(np.stack(rows["teacher"]))  # (B, D) float32
-        if self.hash_texts:
-            out["text_hashes"] = text_hashes(texts)  # (B,) int64, computed here in the loader workers
-        return out
+        return Batch(
+            ids=torch.tensor(np.asarray(rows["id"], dtype=np.uint64).view(np.int64)),
+            input_ids=ids,  # ((n + m) * B, L)
+            attention_mask=mask,  # ((n + m) * B, L)
+            num_views=1 + self.k + self.d,
+            num_hard_negatives=self.m,
+            teacher=torch.from_numpy(np.stack(rows["teacher"])) if self.teacher else None,  # (B, D) float32
+            text_hashes=text_hashes(texts) if self.hash_texts else None,  # (B,) int64, in the loader workers
+        )
 
 
 class PairCollator:
@@ -153,21 +279,20 @@ class PairCollator:
         self.encode = FastEncoder(tokenizer, max_length, prefix)
         self.text_columns, self.label_dtype = list(text_columns), label_dtype
 
-    def __call__(self, rows: dict[str, list[Any]]) -> dict[str, Any]:
+    def __call__(self, rows: dict[str, list[Any]]) -> Batch:
         ids, mask = self.encode([t for col in self.text_columns for t in rows[col]])
-        out = {
-            "ids": torch.tensor(rows["index"], dtype=torch.int64),
-            "input_ids": ids,  # (n * B, L), column-major like the views
-            "attention_mask": mask,
-            "num_views": len(self.text_columns),
-        }
-        if self.label_dtype is not None:
-            out["labels"] = torch.tensor(rows["label"], dtype=self.label_dtype)
-        return out
+        labels = None if self.label_dtype is None else torch.tensor(rows["label"], dtype=self.label_dtype)
+        return Batch(
+            ids=torch.tensor(rows["index"], dtype=torch.int64),
+            input_ids=ids,  # (n * B, L), column-major like the views
+            attention_mask=mask,
+            num_views=len(self.text_columns),
+            labels=labels,  # (B,)
+        )
 
 
 class MLMCollator:
-    """Wraps a view collator: adds ``mlm_input_ids`` / ``mlm_labels`` (B, L), view 0 masked
+    """Wraps a view collator: fills ``mlm_input_ids`` / ``mlm_labels`` (B, L), view 0 masked
     (:func:`pipeline.losses.mlm.mask_tokens`, seeded by :func:`pipeline.losses.mlm.batch_generator`).
 
     Runs in the loader workers (picklable: only ints and the wrapped collator). View 0 is the first B
@@ -176,7 +301,7 @@ class MLMCollator:
 
     def __init__(
         self,
-        collate: Callable[[dict[str, list[Any]]], dict[str, Any]],
+        collate: Callable[[dict[str, list[Any]]], Batch],
         tokenizer: Any,
         seed: int,
         mask_prob: float = MASK_PROB,
@@ -187,13 +312,13 @@ class MLMCollator:
         self.mask_id = int(tokenizer.mask_token_id)
         self.vocab_size = len(tokenizer)
 
-    def __call__(self, rows: dict[str, list[Any]]) -> dict[str, Any]:
+    def __call__(self, rows: dict[str, list[Any]]) -> Batch:
         out = self.collate(rows)
         b = len(rows["id"])
         generator = batch_generator(self.seed, np.asarray(rows["id"], dtype=np.uint64).tolist())
-        out["mlm_input_ids"], out["mlm_labels"] = mask_tokens(
-            out["input_ids"][:b],
-            out["attention_mask"][:b],
+        out.mlm_input_ids, out.mlm_labels = mask_tokens(
+            out.input_ids[:b],
+            out.attention_mask[:b],
             self.special_ids,
             self.mask_id,
             self.vocab_size,
@@ -227,7 +352,7 @@ class PairShardCollator:
         self.teacher, self.hash_texts = teacher, hash_texts
         self.columns = ("id", "text", "positive", "group") + ("teacher", "teacher_positive") * teacher
 
-    def __call__(self, rows: dict[str, list[Any]]) -> dict[str, Any]:
+    def __call__(self, rows: dict[str, list[Any]]) -> Batch:
         anchors, positives = rows["text"], rows["positive"]
         ids, mask = self.encode(list(anchors) + list(positives))  # (2B, L)
         out = {
@@ -243,4 +368,4 @@ class PairShardCollator:
         if self.hash_texts:
             out["text_hashes"] = text_hashes(anchors)  # (B,) int64
             out["positive_text_hashes"] = text_hashes(positives)  # (B,) int64
-        return out
+        return Batch(**out)

@@ -41,6 +41,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline import distributed
+from pipeline.data.collate import Batch
 from pipeline.data.sources import BlockSources, SourceOrder
 from pipeline.data.token_ids import TOKEN_ID_COLUMNS, ragged_rows
 from pipeline.errors import ConfigError, InputError, PipelineError
@@ -337,7 +338,11 @@ class _RankBatches(IterableDataset):
             except PipelineError as exc:  # e.g. a damaged block: the main process raises it as one line
                 yield {"epoch": self.order.epoch, "batch": b, "error": exc}
                 return
-            yield {"epoch": self.order.epoch, "batch": b, **self.collate(rows)}
+            out = self.collate(rows)  # the trainer's collators give a Batch; any mapping works too
+            if isinstance(out, Batch):
+                yield out.at(self.order.epoch, b)
+            else:
+                yield {"epoch": self.order.epoch, "batch": b, **out}
 
 
 class BatchStream:

@@ -27,6 +27,7 @@ import torch
 from pipeline import distributed as dist
 from pipeline import progress
 from pipeline.config import to_dict
+from pipeline.data.collate import Batch
 from pipeline.evaluate.sts import score_pairs
 from pipeline.losses import StepOutput
 from pipeline.run_layout import step_of
@@ -49,18 +50,12 @@ from pipeline.train.signals import EXIT_CODE_PREEMPTED, CheckpointPolicy
 log = logging.getLogger(__name__)
 
 
-# one row (or label) per sentence
-PER_SENTENCE = ("ids", "text_hashes", "labels", "teacher", "mlm_input_ids", "mlm_labels")
-PER_PAIR = ("groups", "positive_text_hashes", "teacher_positive")  # batches of pair shards (pairs.py)
-
-
-def rows_per_sentence(batch: dict[str, Any]) -> int:
-    """n views plus m hard negatives: the batch's rows are (n + m) blocks of B, view-major."""
-    return batch["num_views"] + batch.get("num_hard_negatives", 0)
+def _to(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if x is None else x.to(device, non_blocking=True)
 
 
 def compute_objective(
-    t: Trainer, encoded: torch.Tensor | tuple[torch.Tensor, torch.Tensor], batch: dict[str, Any]
+    t: Trainer, encoded: torch.Tensor | tuple[torch.Tensor, torch.Tensor], batch: Batch
 ) -> dict[str, torch.Tensor]:
     """The loss's weighted total ``loss`` and each term's value over one micro-batch's step output.
 
@@ -69,31 +64,32 @@ def compute_objective(
     negatives of each sentence.
     """
     rows, mlm_logits = encoded if isinstance(encoded, tuple) else (encoded, None)
-    n, m = batch["num_views"], batch.get("num_hard_negatives", 0)
+    batch = Batch.of(batch)
+    n, m = batch.num_views, batch.num_hard_negatives
     b = rows.shape[0] // (n + m)
     device = rows.device
-    labels, teacher, mlm_labels = batch.get("labels"), batch.get("teacher"), batch.get("mlm_labels")
-    ids, text_hashes = batch.get("ids"), batch.get("text_hashes")  # (B,) int64: false-negative control
     out = StepOutput(
         views=rows[: n * b].view(n, b, rows.shape[-1]),  # (n, B, H)
         hard_negatives=rows[n * b :].view(m, b, rows.shape[-1]) if m else None,  # (m, B, H)
-        labels=None if labels is None else labels.to(device),
-        teacher=None if teacher is None else teacher.to(device, non_blocking=True),  # (B, D_t)
+        labels=None if batch.labels is None else batch.labels.to(device),
+        teacher=_to(batch.teacher, device),  # (B, D_t)
         queue=t.queue.negatives() if t.queue is not None else None,  # (filled, H)
         teacher_queue=t.teacher_queue.negatives() if t.teacher_queue is not None else None,
         mlm_logits=mlm_logits,
-        mlm_labels=None if mlm_logits is None else mlm_labels.to(device, non_blocking=True),  # (B, L)
+        mlm_labels=None if mlm_logits is None else _to(batch.mlm_labels, device),  # (B, L)
         head=t.module.head,
-        ids=None if ids is None else ids.to(device, non_blocking=True),
-        text_hashes=None if text_hashes is None else text_hashes.to(device, non_blocking=True),
+        ids=_to(batch.ids, device),  # (B,) int64: false-negative control
+        text_hashes=_to(batch.text_hashes, device),
         queue_ids=t.queue.negative_ids() if t.queue is not None else None,  # (filled,)
         queue_text_hashes=t.queue.negative_text_hashes() if t.queue is not None else None,  # (filled,)
-        **{k: batch[k].to(device, non_blocking=True) for k in PER_PAIR if k in batch},  # pair shards
+        groups=_to(batch.groups, device),  # pair shards
+        positive_text_hashes=_to(batch.positive_text_hashes, device),
+        teacher_positive=_to(batch.teacher_positive, device),
     )
     return t.loss(out)
 
 
-def forward(t: Trainer, inputs: dict[str, torch.Tensor], mb: dict[str, Any]) -> Any:
+def forward(t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch) -> Any:
     """The model's forward of one micro-batch: rows (N, H), with an MLM head also the logits (B, L, V)
     of the masked originals (in the same forward, so DDP sees each parameter used once per step)."""
     if t.module.mlm_head is None:
@@ -101,35 +97,16 @@ def forward(t: Trainer, inputs: dict[str, torch.Tensor], mb: dict[str, Any]) -> 
     return t.model(**inputs, mlm_input_ids=mb["mlm_input_ids"].to(t.accelerator.device, non_blocking=True))
 
 
-def micro_batches(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
-    """Split a rank's batch (view-major rows, hard negatives last) into ``parts`` micro-batches of whole
-    sentences, each with its sentences' views, hard negatives, labels and teacher embeddings."""
-    if parts == 1:
-        return [batch]
-    blocks = rows_per_sentence(batch)
-    b = batch["input_ids"].shape[0] // blocks
-    size = b // parts
-    out = []
-    for p in range(parts):
-        rows = torch.cat([torch.arange(v * b + p * size, v * b + (p + 1) * size) for v in range(blocks)])
-        mb = {
-            "num_views": batch["num_views"],
-            "num_hard_negatives": batch.get("num_hard_negatives", 0),
-            "input_ids": batch["input_ids"][rows],
-            "attention_mask": batch["attention_mask"][rows],
-        }
-        for key in PER_SENTENCE + PER_PAIR:
-            if key in batch:
-                mb[key] = batch[key][p * size : (p + 1) * size]
-        out.append(mb)
-    return out
+def micro_batches(batch: Batch | dict[str, Any], parts: int) -> list[Batch]:
+    """A rank's batch as ``parts`` micro-batches of whole sentences (:meth:`Batch.split`)."""
+    return Batch.of(batch).split(parts)
 
 
 def enqueue_keys(
     t: Trainer,
     rows: torch.Tensor,
     inputs: dict[str, torch.Tensor],
-    mb: dict[str, Any],
+    mb: Batch,
     apply: torch.Tensor | None = None,
 ) -> None:
     """Keys of this micro-batch's originals into the queue with their sentence ids and text hashes, and
@@ -137,7 +114,7 @@ def enqueue_keys(
     ``apply``: the step's verdict on the device (see :func:`deferred`)."""
     if t.queue is None:
         return
-    b = rows.shape[0] // rows_per_sentence(mb)
+    b = rows.shape[0] // mb.rows_per_sentence
     if t.momentum_encoder is not None:
         keys = t.momentum_encoder.encode(
             input_ids=inputs["input_ids"][:b], attention_mask=inputs["attention_mask"][:b]
@@ -145,9 +122,9 @@ def enqueue_keys(
     else:
         keys = rows[:b].detach()  # momentum 0: a memory bank of the online view-0 embeddings
     # (B, H) per rank -> (W * B, H) on every rank, with each key's sentence id and text hash (B,)
-    t.queue.enqueue_gathered(keys, mb.get("ids"), mb.get("text_hashes"), apply)
+    t.queue.enqueue_gathered(keys, mb.ids, mb.text_hashes, apply)
     if t.teacher_queue is not None:
-        teacher = mb["teacher"].to(keys.device)  # (B, D_t) -> (W * B, D_t) in the queue
+        teacher = mb.teacher.to(keys.device)  # (B, D_t) -> (W * B, D_t) in the queue
         t.teacher_queue.enqueue_gathered(teacher, apply=apply)
 
 
@@ -264,7 +241,7 @@ def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, Any]:
     check: StepCheck | None = None
     verdict: DeviceCheck | None = None  # when the verdict stays on the device (deferred)
     for mb in mbs:
-        inputs = {k: mb[k].to(acc.device, non_blocking=True) for k in ("input_ids", "attention_mask")}
+        inputs = mb.inputs(acc.device)
         with acc.accumulate(t.model):
             if cfg.train.gradcache_chunk_size:  # the same loss over rows encoded chunk by chunk
                 part, rows = chunked_forward_backward(
@@ -304,7 +281,7 @@ def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, Any]:
             t.momentum_encoder.update(t.module.encoder, t.loss.needs.momentum, apply)
         t.state.step += 1  # deferred: provisional, a skip found at the next log step is taken back
         t.state.samples_seen += cfg.train.global_batch_size
-    n, b = mb["num_views"], rows.shape[0] // rows_per_sentence(mb)
+    n, b = mb.num_views, rows.shape[0] // mb.rows_per_sentence
     out: dict[str, Any] = {"embeddings": rows[: n * b].detach().view(n, b, -1)}  # (n, B, H), last micro-batch
     out["loss"] = torch.stack([p["loss"] for p in parts]).mean()
     term_parts = {wt.term.part for wt in t.loss.terms}
@@ -407,7 +384,7 @@ def train(t: Trainer, on_batch: Callable[[Trainer, dict[str, Any]], None] | None
                 on_batch(t, batch)
             out = train_step(t, batch)
             if "verdict" in out:  # deferred: the verdicts are read at log, eval and save steps only
-                pending.append((out["verdict"], batch.get("epoch"), batch.get("batch")))
+                pending.append((out["verdict"], batch.epoch, batch.batch))
                 bar.update(1)
                 if not settle_due(t, t.state.step):
                     continue
