@@ -19,6 +19,7 @@ import json
 import logging
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from pipeline import distributed as dist
 from pipeline import progress
 from pipeline.config import to_dict
 from pipeline.data.collate import Batch
+from pipeline.errors import ConfigError
 from pipeline.evaluate.sts import score_pairs
 from pipeline.losses import StepOutput
 from pipeline.run_layout import step_of
@@ -129,19 +131,26 @@ def enqueue_keys(
 
 
 def guarded(t: Trainer) -> bool:
-    """Whether the non-finite guard decides each step (pipeline/train/guard.py).
+    """Whether the non-finite guard decides each step (pipeline/train/guard.py): see :func:`guard_off`."""
+    return guard_off(t) is None
+
+
+def guard_off(t: Trainer) -> str | None:
+    """Why the non-finite guard does not judge this run's steps, or None when it does.
 
     Not under fp16, whose GradScaler skips non-finite steps itself (and must see them to lower its
     scale). Under DeepSpeed, whose engine steps inside ``backward``, the guard judges the loss before
     that backward and reads the engine's own verdict on the gradients after it (see
-    :func:`deepspeed_step`); it needs one micro-batch per step without GradCache there.
+    :func:`judged_engine_step`); it needs one micro-batch per step without GradCache there.
     """
     cfg = t.cfg
-    if not cfg.guard.max_nonfinite_steps or cfg.train.mixed_precision == "fp16":
-        return False
-    return not cfg.train.deepspeed_config or (
-        cfg.train.grad_accum_steps == 1 and not cfg.train.gradcache_chunk_size
-    )
+    if not cfg.guard.max_nonfinite_steps:
+        return "guard.max_nonfinite_steps is 0"
+    if cfg.train.mixed_precision == "fp16":
+        return "under fp16 the GradScaler skips non-finite steps itself"
+    if cfg.train.deepspeed_config and (cfg.train.grad_accum_steps > 1 or cfg.train.gradcache_chunk_size):
+        return "DeepSpeed steps inside its backward: with several micro-batches nothing judges it first"
+    return None
 
 
 def deferred(t: Trainer) -> bool:
@@ -176,7 +185,137 @@ def optimizer_step(t: Trainer, skip: torch.Tensor | None) -> None:
         del inner.found_inf
 
 
-def deepspeed_step(t: Trainer, loss: torch.Tensor) -> StepCheck:
+@dataclass
+class StepResult:
+    """What every engine's :func:`backward_and_step` returns: the same small record for each."""
+
+    parts: list[dict[str, torch.Tensor]]  # each micro-batch's detached loss parts (``loss`` the total)
+    rows: torch.Tensor  # (N, H) the last micro-batch's encoded rows: n views, then m hard negatives
+    last: Batch  # the last micro-batch
+    check: StepCheck | None = None  # the guard's verdict, read on the host (None: no guard)
+    verdict: DeviceCheck | None = None  # the guard's verdict left on the device (deferred)
+
+    @property
+    def applied(self) -> bool:
+        """Whether the update happened, as far as the host knows (a deferred verdict is read later)."""
+        return self.check is None or self.check.finite
+
+    @property
+    def apply(self) -> torch.Tensor | None:
+        """The deferred verdict's () bool device flag, for updates that must follow it on the device."""
+        return None if self.verdict is None else self.verdict.finite
+
+
+def judge_and_step(t: Trainer, result: StepResult) -> None:
+    """After the last micro-batch's backward, with the optimizer ours (plain and GradCache steps): clip,
+    let the guard judge the step (its loss and gradient norm on every rank), and step the optimizer unless
+    the guard refused (on the host) or with a device flag that makes the fused kernel skip (deferred)."""
+    cfg = t.cfg
+    norm = None
+    if cfg.optim.grad_clip:
+        norm = t.accelerator.clip_grad_norm_(t.model.parameters(), cfg.optim.grad_clip)
+    if guarded(t):
+        norm = grad_norm(t.model.parameters()) if norm is None else norm
+        step_loss = torch.stack([p["loss"] for p in result.parts]).mean()
+        if deferred(t):
+            result.verdict = device_verdict(step_loss, norm)  # no sync: read at the next log step
+        else:
+            result.check = step_verdict(step_loss, norm)  # host sync
+    if result.applied:
+        optimizer_step(t, None if result.verdict is None else ~result.verdict.finite)
+
+
+def local_backward_and_step(
+    t: Trainer,
+    mbs: list[Batch],
+    forward_backward: Callable[[Trainer, dict[str, torch.Tensor], Batch], tuple[dict, torch.Tensor]],
+) -> StepResult:
+    """The micro-batches' forward and backward (gradients accumulate; DDP all-reduces at the last), then
+    :func:`judge_and_step`. Each micro-batch enqueues its keys before the verdict is known: with several
+    micro-batches under the guard the queues are copied first and put back when the step is refused."""
+    acc = t.accelerator
+    snapshot = queue_snapshot(t) if guarded(t) and len(mbs) > 1 else []
+    result: StepResult | None = None
+    for mb in mbs:
+        inputs = mb.inputs(acc.device)
+        with acc.accumulate(t.model):
+            part, rows = forward_backward(t, inputs, mb)
+            parts = [*(result.parts if result else []), {k: v.detach() for k, v in part.items()}]
+            result = StepResult(parts, rows, mb)
+            if acc.sync_gradients:
+                judge_and_step(t, result)
+            t.optimizer.zero_grad(set_to_none=True)
+        if result.applied:
+            enqueue_keys(t, rows, inputs, mb, result.apply)
+    if not result.applied:
+        for queue, state in snapshot:
+            queue.load_state_dict(state)
+    return result
+
+
+def plain_forward_backward(
+    t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    encoded = forward(t, inputs, mb)
+    part = compute_objective(t, encoded, mb)
+    t.accelerator.backward(part["loss"])
+    return part, encoded[0] if isinstance(encoded, tuple) else encoded  # rows (N, H)
+
+
+def gradcache_forward_backward(
+    t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The same loss over rows encoded chunk by chunk (pipeline/train/gradcache.py)."""
+    return chunked_forward_backward(
+        t.model, t.accelerator.backward, inputs, t.cfg.train.gradcache_chunk_size,
+        lambda rows: compute_objective(t, rows, mb),
+    )  # fmt: skip
+
+
+def plain_backward_and_step(t: Trainer, mbs: list[Batch]) -> StepResult:
+    """One process or DDP: forward and backward per micro-batch, then clip, judge and step."""
+    return local_backward_and_step(t, mbs, plain_forward_backward)
+
+
+def gradcache_backward_and_step(t: Trainer, mbs: list[Batch]) -> StepResult:
+    """GradCache (``train.gradcache_chunk_size``; one micro-batch: the config refuses accumulation)."""
+    return local_backward_and_step(t, mbs, gradcache_forward_backward)
+
+
+def deepspeed_backward_and_step(t: Trainer, mbs: list[Batch]) -> StepResult:
+    """The DeepSpeed engine steps inside ``accelerator.backward`` (clipping, accumulation and its own
+    overflow check are its own; Accelerate's optimizer step and zero_grad are no-ops around it). Under
+    the guard (one micro-batch) :func:`judged_engine_step` gives the verdict."""
+    acc = t.accelerator
+    result: StepResult | None = None
+    for mb in mbs:
+        inputs = mb.inputs(acc.device)
+        with acc.accumulate(t.model):
+            encoded = forward(t, inputs, mb)
+            part = compute_objective(t, encoded, mb)
+            check = None
+            if guarded(t):
+                check = judged_engine_step(t, part["loss"])
+            else:
+                acc.backward(part["loss"])  # the engine's backward, and its step at the last micro-batch
+            rows = encoded[0] if isinstance(encoded, tuple) else encoded  # (N, H): n views, m negatives
+            parts = [*(result.parts if result else []), {k: v.detach() for k, v in part.items()}]
+            result = StepResult(parts, rows, mb, check)
+        if result.applied:
+            enqueue_keys(t, rows, inputs, mb)
+    return result
+
+
+def backward_and_step(t: Trainer) -> Callable[[Trainer, list[Batch]], StepResult]:
+    """The run's engine: DeepSpeed, GradCache or plain (one process or DDP)."""
+    if t.accelerator.distributed_type.value == "DEEPSPEED":
+        return deepspeed_backward_and_step
+    if t.cfg.train.gradcache_chunk_size:
+        return gradcache_backward_and_step
+    return plain_backward_and_step
+
+
+def judged_engine_step(t: Trainer, loss: torch.Tensor) -> StepCheck:
     """Backward and step of the DeepSpeed engine under the guard; the verdict on the step.
 
     When the engine checks the gradients itself (bf16 with ``check_grad_overflow``, fp16:
@@ -223,64 +362,28 @@ def queue_snapshot(t: Trainer) -> list[tuple[Any, dict[str, torch.Tensor]]]:
     return [(q, {k: v.clone() for k, v in q.state_dict().items()}) for q in queues]
 
 
-def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, Any]:
+def train_step(t: Trainer, batch: Batch) -> dict[str, Any]:
     """One optimizer step over this rank's slice of a global batch; returns detached device tensors.
 
     Under the guard, ``out["check"]`` is the step's :class:`~pipeline.train.guard.StepCheck`; when it
     is not finite nothing was updated (parameters, optimizer, schedule position, momentum encoder,
     queue, step and sample counters): the loop counts the skip and moves on to the next batch.
+    Deferred, ``out["verdict"]`` is the verdict still on the device (:func:`deferred`).
     """
-    acc, cfg = t.accelerator, t.cfg
     t.schedule.apply(t.state.step)  # before backward: DeepSpeed steps inside accelerator.backward
-    guard, on_device = guarded(t), deferred(t)
-    deepspeed = acc.distributed_type.value == "DEEPSPEED"
-    mbs = micro_batches(batch, cfg.train.grad_accum_steps)
-    # With several micro-batches each enqueues its keys before the step's verdict is known: keep a copy.
-    snapshot = queue_snapshot(t) if guard and len(mbs) > 1 else None
-    parts: list[dict[str, torch.Tensor]] = []
-    check: StepCheck | None = None
-    verdict: DeviceCheck | None = None  # when the verdict stays on the device (deferred)
-    for mb in mbs:
-        inputs = mb.inputs(acc.device)
-        with acc.accumulate(t.model):
-            if cfg.train.gradcache_chunk_size:  # the same loss over rows encoded chunk by chunk
-                part, rows = chunked_forward_backward(
-                    t.model, acc.backward, inputs, cfg.train.gradcache_chunk_size,
-                    lambda rows: compute_objective(t, rows, mb),
-                )  # fmt: skip
-            else:
-                encoded = forward(t, inputs, mb)
-                part = compute_objective(t, encoded, mb)
-                if guard and deepspeed:
-                    check = deepspeed_step(t, part["loss"])
-                else:
-                    acc.backward(part["loss"])
-                rows = encoded[0] if isinstance(encoded, tuple) else encoded  # (N, H): n views, m negatives
-            parts.append({k: v.detach() for k, v in part.items()})
-            norm = None
-            if acc.sync_gradients and cfg.optim.grad_clip and not deepspeed:
-                norm = acc.clip_grad_norm_(t.model.parameters(), cfg.optim.grad_clip)
-            if guard and acc.sync_gradients and not deepspeed:
-                norm = grad_norm(t.model.parameters()) if norm is None else norm
-                step_loss = torch.stack([p["loss"] for p in parts]).mean()
-                if on_device:
-                    verdict = device_verdict(step_loss, norm)  # no sync: read at the next log step
-                else:
-                    check = step_verdict(step_loss, norm)  # host sync
-            if check is None or check.finite:
-                optimizer_step(t, None if verdict is None else ~verdict.finite)
-            t.optimizer.zero_grad(set_to_none=True)
-        if check is None or check.finite:
-            enqueue_keys(t, rows, inputs, mb, None if verdict is None else verdict.finite)
-    if check is not None and not check.finite:
-        for queue, state in snapshot or []:
-            queue.load_state_dict(state)
-    else:
+    result = backward_and_step(t)(t, micro_batches(batch, t.cfg.train.grad_accum_steps))
+    if result.applied:
         if t.momentum_encoder is not None:
-            apply = None if verdict is None else verdict.finite
-            t.momentum_encoder.update(t.module.encoder, t.loss.needs.momentum, apply)
+            t.momentum_encoder.update(t.module.encoder, t.loss.needs.momentum, result.apply)
         t.state.step += 1  # deferred: provisional, a skip found at the next log step is taken back
-        t.state.samples_seen += cfg.train.global_batch_size
+        t.state.samples_seen += t.cfg.train.global_batch_size
+    return step_record(t, result)
+
+
+def step_record(t: Trainer, result: StepResult) -> dict[str, Any]:
+    """What the loop logs of a step: the total loss (mean over micro-batches), each term's value with
+    more than one term, the counts a term reports, the last micro-batch's views, and the verdict."""
+    rows, mb, parts = result.rows, result.last, result.parts
     n, b = mb.num_views, rows.shape[0] // mb.rows_per_sentence
     out: dict[str, Any] = {"embeddings": rows[: n * b].detach().view(n, b, -1)}  # (n, B, H), last micro-batch
     out["loss"] = torch.stack([p["loss"] for p in parts]).mean()
@@ -291,10 +394,10 @@ def train_step(t: Trainer, batch: dict[str, Any]) -> dict[str, Any]:
             out[f"{key}_count"] = values.sum()
         elif len(term_parts) > 1:  # more than one term: log each (contrastive, distill, kl, mlm)
             out[f"{key}_loss"] = values.mean()
-    if check is not None:
-        out["check"] = check
-    if verdict is not None:
-        out["verdict"] = verdict
+    if result.check is not None:
+        out["check"] = result.check
+    if result.verdict is not None:
+        out["verdict"] = result.verdict
     return out
 
 
@@ -383,31 +486,13 @@ def train(t: Trainer, on_batch: Callable[[Trainer, dict[str, Any]], None] | None
             if on_batch is not None:
                 on_batch(t, batch)
             out = train_step(t, batch)
-            if "verdict" in out:  # deferred: the verdicts are read at log, eval and save steps only
-                pending.append((out["verdict"], batch.epoch, batch.batch))
-                bar.update(1)
-                if not settle_due(t, t.state.step):
-                    continue
-                outcome = settle(t, pending, spike)  # one host sync for the steps since the last one
-                bar.n = t.state.step
-                if outcome == ROLLED_BACK:
-                    batches.close()
-                    batches = iter(t.stream)
-                if outcome != APPLIED:
-                    continue
-            else:
-                check = out.get("check")
-                if check is not None and not check.finite:
-                    skip_nonfinite(t, batch)  # nothing was updated; raises NonFiniteError after too many
-                    continue
-                t.state.nonfinite_streak = 0
-                if spike is not None and observe_loss(t, spike, check.loss):
-                    batches.close()  # the rollback moves the data cursor: a new iterator starts from it
-                    roll_back(t, spike)
-                    batches = iter(t.stream)
-                    bar.n = t.state.step
-                    continue
-                bar.update(1)
+            outcome = account(t, out, batch, pending, spike)  # skipped, rolled back, applied or pending
+            bar.update(t.state.step - bar.n)
+            if outcome == ROLLED_BACK:  # the rollback moved the data cursor: a new iterator starts from it
+                batches.close()
+                batches = iter(t.stream)
+            if outcome != APPLIED:
+                continue
             step = t.state.step
             if step % cfg.train.log_every == 0 or step == t.total_steps:
                 log_step(t, out, throughput, bar)
@@ -436,17 +521,58 @@ def train(t: Trainer, on_batch: Callable[[Trainer, dict[str, Any]], None] | None
 # ------------------------------------------------------------------------------------------- guard
 def start_guard(t: Trainer) -> SpikeDetector | None:
     """The spike detector with its saved history when ``guard.spike_factor`` is set (its state and the
-    guard's counters ride in the train state, so every checkpoint holds them)."""
+    guard's counters ride in the train state, so every checkpoint holds them).
+
+    Spike detection reads the guard's verdict on each step (the step's loss, agreed on every rank), so it
+    needs the guard: a run that asks for it where the guard is off is a ConfigError, not a silent no-op.
+    """
     g = t.cfg.guard
-    if not g.spike_factor or not guarded(t):
+    if not g.spike_factor:
         return None
+    off = guard_off(t)
+    if off is not None:
+        raise ConfigError(
+            f"guard.spike_factor reads the non-finite guard's verdict on each step, but the guard is off "
+            f"here ({off}); set guard.spike_factor to 0 or run with the guard on"
+        )
     spike = SpikeDetector(g.spike_factor, g.spike_steps, g.spike_history)
     if t.state.spike is not None:
         spike.load_state_dict(t.state.spike)
     return spike
 
 
-APPLIED, SKIPPED, ROLLED_BACK = "applied", "skipped", "rolled_back"
+APPLIED, SKIPPED, ROLLED_BACK, PENDING = "applied", "skipped", "rolled_back", "pending"
+
+
+def account(
+    t: Trainer,
+    out: dict[str, Any],
+    batch: Batch,
+    pending: list[tuple[DeviceCheck, Any, Any]],
+    spike: SpikeDetector | None,
+) -> str:
+    """The guard's reading of the step just taken: APPLIED, SKIPPED (nothing was updated), ROLLED_BACK
+    (a loss spike: the state and the data cursor moved back), or PENDING (a deferred verdict, read with
+    the others at the next log, eval or save step: :func:`settle`)."""
+    if "verdict" in out:  # deferred: the verdicts are read at log, eval and save steps only
+        pending.append((out["verdict"], batch.epoch, batch.batch))
+        if not settle_due(t, t.state.step):
+            return PENDING
+        return settle(t, pending, spike)  # one host sync for the steps since the last one
+    return judge(t, out.get("check"), batch.epoch, batch.batch, spike)
+
+
+def judge(t: Trainer, check: StepCheck | None, epoch: Any, index: Any, spike: SpikeDetector | None) -> str:
+    """Count a skipped step (raises NonFiniteError after too many in a row), or feed an applied step's loss
+    to the spike detector, which may roll back. ``check`` None: no guard (and then no spike detector)."""
+    if check is not None and not check.finite:
+        skip_nonfinite(t, epoch, index)  # nothing was updated
+        return SKIPPED
+    t.state.nonfinite_streak = 0
+    if spike is not None and observe_loss(t, spike, check.loss):  # a spike detector implies the guard
+        roll_back(t, spike)
+        return ROLLED_BACK
+    return APPLIED
 
 
 def settle_due(t: Trainer, step: int) -> bool:
@@ -480,26 +606,22 @@ def settle(t: Trainer, pending: list[tuple[DeviceCheck, Any, Any]], spike: Spike
     t.state.step -= len(checks)
     t.state.samples_seen -= len(checks) * per_step
     outcome = APPLIED
-    for check, (epoch, batch) in zip(checks, where):
-        if not check.finite:
-            skip_nonfinite(t, {"epoch": epoch, "batch": batch})  # raises NonFiniteError after too many
-            outcome = SKIPPED
-            continue
-        t.state.step += 1
-        t.state.samples_seen += per_step
-        t.state.nonfinite_streak = 0
-        outcome = APPLIED
-        if spike is not None and observe_loss(t, spike, check.loss):
-            roll_back(t, spike)
-            return ROLLED_BACK
+    for check, (epoch, index) in zip(checks, where):
+        if check.finite:
+            t.state.step += 1
+            t.state.samples_seen += per_step
+        outcome = judge(t, check, epoch, index, spike)
+        if outcome == ROLLED_BACK:
+            return outcome
     return outcome
 
 
-def skip_nonfinite(t: Trainer, batch: dict[str, Any]) -> None:
-    """Count and log a skipped step; stop the run after ``guard.max_nonfinite_steps`` in a row."""
+def skip_nonfinite(t: Trainer, epoch: Any, index: Any) -> None:
+    """Count and log a skipped step (batch ``index`` of ``epoch``); stop the run after
+    ``guard.max_nonfinite_steps`` in a row."""
     t.state.nonfinite_skipped += 1
     t.state.nonfinite_streak += 1
-    where = f"epoch {batch.get('epoch')}, batch {batch.get('batch')} of the epoch"
+    where = f"epoch {epoch}, batch {index} of the epoch"
     log.warning(
         "non-finite loss or gradient at %s (after step %d): step skipped, nothing updated (%d skipped so "
         "far, %d in a row)", where, t.state.step, t.state.nonfinite_skipped, t.state.nonfinite_streak,
@@ -508,8 +630,8 @@ def skip_nonfinite(t: Trainer, batch: dict[str, Any]) -> None:
         {
             "event": "nonfinite_skip",
             "step": t.state.step,
-            "epoch": batch.get("epoch"),
-            "batch": batch.get("batch"),
+            "epoch": epoch,
+            "batch": index,
             "skipped": t.state.nonfinite_skipped,
             "consecutive": t.state.nonfinite_streak,
         }
@@ -532,6 +654,24 @@ def observe_loss(t: Trainer, spike: SpikeDetector, loss: float) -> bool:
     return spiked
 
 
+# The train state's fields that record the run's history, not its position: a rollback keeps them.
+RUN_HISTORY = ("rollbacks", "nonfinite_skipped", "nonfinite_streak")
+
+
+class KeepHistory:
+    """The train state as a rollback loads it: step, samples, best score and the spike detector's state
+    from the checkpoint, the run's history (:data:`RUN_HISTORY`) as it is now."""
+
+    def __init__(self, state: Any):
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state.state_dict()
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.state.load_state_dict({**saved, **{k: getattr(self.state, k) for k in RUN_HISTORY}})
+
+
 def roll_back(t: Trainer, spike: SpikeDetector) -> None:
     """Back to the newest checkpoint written before the spike began, past the data up to the spike and
     ``guard.spike_skip_batches`` more (collective). The decision is kept in ``t.state.rollbacks``."""
@@ -548,13 +688,12 @@ def roll_back(t: Trainer, spike: SpikeDetector) -> None:
         spike.streak, spike.first = 0, None
         t.state.spike = spike.state_dict()
         return
-    rollbacks = list(t.state.rollbacks)
-    skipped, streak = t.state.nonfinite_skipped, t.state.nonfinite_streak
-    t.checkpointer.load(target, t.encoder, t.states(), t.rank_states())
+    # Every state the checkpointer holds goes back, the train state's run history (RUN_HISTORY) excepted.
+    states = {**t.states(), "train_state": KeepHistory(t.state)}
+    t.checkpointer.load(target, t.encoder, states, t.rank_states())
     record = {"detected_at_step": step, "spike_began": began, "resumed_from": Path(target).name}
     record["skipped_to"] = list(divmod(skip_to, per_epoch))  # [epoch, batch]: the data cursor after the skip
-    t.state.rollbacks = [*rollbacks, record]
-    t.state.nonfinite_skipped, t.state.nonfinite_streak = skipped, streak
+    t.state.rollbacks = [*t.state.rollbacks, record]
     t.stream.cursor.epoch, t.stream.cursor.batches = record["skipped_to"]
     spike.load_state_dict(t.state.spike if t.state.spike else spike.state_dict())
     spike.streak, spike.first = 0, None
