@@ -24,7 +24,7 @@ from torch import nn
 from pipeline import distributed as dist
 from pipeline.config import from_dict, to_dict
 from pipeline.data.collate import MLMCollator, PairCollator, PairShardCollator, ViewCollator
-from pipeline.data.sources import pair_order, refuse_pair_options
+from pipeline.data.sources import pair_order
 from pipeline.data.stream import BatchStream, MemorySource, ShardSource, index_shards
 from pipeline.devices import CudaProbe, bind_local_device, probe_cuda, resolve_device
 from pipeline.errors import ConfigError, InputError, PipelineError
@@ -406,7 +406,6 @@ def build_stream(
     loss = cfg.terms()
     if not isinstance(plan, DataPlan):
         plan = check_against_data(cfg, plan, world, tokenizer, prefix)
-    refuse_pair_options(d, plan.pairs)
     order: dict[str, Any] = {}  # pair shards: their batch order by source (pipeline/data/sources.py)
     if plan.pairs:  # pair shards: anchors then positives (docs/pairs.md)
         blocks = shard_blocks(plan.shard_set, d.verify_shards, rank)

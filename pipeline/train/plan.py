@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pipeline.data.sources import pair_batches
+from pipeline.data.sources import pair_batches, refuse_pair_options
 from pipeline.data.token_ids import ids_usable
 from pipeline.errors import ConfigError
 from pipeline.losses import Loss
@@ -76,6 +76,7 @@ def check_against_data(
     if loss.needs.queue_size:
         validate_queue_size(loss.needs.queue_size, per_rank // accum)
     if shard_set is None:
+        refuse_pair_options(d, False)
         return DataPlan(source=loss.data)
     variants = loss.main is not None and loss.main.uses_variants
     if variants and d.num_variants > shard_set.num_variants:
@@ -85,6 +86,7 @@ def check_against_data(
             f"{shard_set.num_variants} or re-run augment with more variants"
         )
     pairs = pair_batches(loss, shard_set)  # pair shards vs the loss (pipeline/data/sources.py)
+    refuse_pair_options(d, pairs)  # data.one_source_per_batch and pair_max_rank need pair shards
     teacher, teacher_dim = resolve_teacher(d, loss, shard_set)
     k, views = (0, 0) if pairs else loss.shard_views(d.num_variants, d.num_dropout_views)
     return DataPlan(
