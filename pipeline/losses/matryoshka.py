@@ -51,11 +51,13 @@ import torch.nn.functional as F
 from pipeline.config import option
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.distill import KLConfig, kl_loss
+from pipeline.losses.distill import DistillConfig, KLConfig, kl_loss
 from pipeline.losses.terms import QUEUE, TEACHER, VIEWS, StepOutput, Term, WeightedTerm
 
 DEFAULT_DIMS = [256, 128, 64]  # prefix widths trained besides the full one (e5-small: 384)
-TEACHER_TERMS = ("distill", "kl")  # taken on a prefix as in-batch similarity distillation
+# The teacher terms (distill, kl), known by their configs: taken on a prefix as in-batch similarity
+# distillation.
+TEACHER_CONFIGS = (DistillConfig, KLConfig)
 REFUSED = {
     "mlm": "it has no embedding",
     "sbert": "its classifier reads [u, v, |u - v|] of the full width",
@@ -84,8 +86,8 @@ def truncate(out: StepOutput, dim: int) -> StepOutput:
 def prefix_term_loss(t: WeightedTerm, out: StepOutput, dim: int, temperature: float) -> torch.Tensor:
     """Term ``t`` on the ``dim``-prefix of the step output (unweighted)."""
     short = truncate(out, dim)
-    if t.term.name in TEACHER_TERMS:
-        kl = t.config if t.term.name == "kl" else KLConfig(temperature, temperature)
+    if isinstance(t.config, TEACHER_CONFIGS):
+        kl = t.config if isinstance(t.config, KLConfig) else KLConfig(temperature, temperature)
         return kl_loss(
             short.views[0],  # (B, dim) the originals' prefixes
             out.teacher,  # (B, D_t) the full teacher
@@ -193,7 +195,7 @@ def bind(c: MatryoshkaConfig, run: list[WeightedTerm]) -> Term:
 
 
 def _reads_on_prefix(t: WeightedTerm) -> frozenset[str]:
-    if t.term.name in TEACHER_TERMS:
+    if isinstance(t.config, TEACHER_CONFIGS):
         return frozenset({VIEWS, TEACHER, QUEUE})
     return t.term.reads(t.config)
 
