@@ -90,10 +90,7 @@ def bench_save_load(config_path: Path, repeats: int, workdir: Path) -> None:
         verify_t.append(t2 - t1)
         load_t.append(t3 - t2)
     files = json.loads((path / "checkpoint.json").read_text())["files"]
-    print(
-        f"model: {config_path.name} ({scratch.name}), {params / 1e6:.2f} M parameters, "
-        f"queue {queue_size}"
-    )
+    print(f"model: {config_path.name} ({scratch.name}), {params / 1e6:.2f} M parameters, queue {queue_size}")
     state_mib = (path / "state.pt").stat().st_size / 2**20
     print(
         f"checkpoint size: {dir_size(path) / 2**20:.1f} MiB in {len(files)} files "

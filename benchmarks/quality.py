@@ -127,26 +127,64 @@ def student_conditions() -> dict[str, Condition]:
         student("s_simcse", "unsup. SimCSE", 2, loss_override({"simcse": {}})),
         student("s_luse", "LUSE k=2 EDA + 1 dropout view", 4, *luse_views(2, 1), loss_override({"luse": {}})),
         student("s_distill", "embedding distillation (cosine) alone = main job", 1),
-        student("s_distill_lr1e-4", "distillation at the previous recipe: lr 1e-4, dropout 0.1, fp32", 1,
-                "--optim.lr=1e-4", "--model.dropout=0.1", "--train.mixed_precision=no"),  # fmt: skip
-        student("s_distill_bucketed", "distillation, length-bucketed batches", 1,
-                "--data.length_bucketing=true"),  # fmt: skip
-        student("s_luse_bucketed", "LUSE k=2 EDA + 1 dropout view, length-bucketed batches", 4,
-                *luse_views(2, 1), loss_override({"luse": {}}), "--data.length_bucketing=true"),  # fmt: skip
+        student(
+            "s_distill_lr1e-4",
+            "distillation at the previous recipe: lr 1e-4, dropout 0.1, fp32",
+            1,
+            "--optim.lr=1e-4",
+            "--model.dropout=0.1",
+            "--train.mixed_precision=no",
+        ),  # fmt: skip
+        student(
+            "s_distill_bucketed", "distillation, length-bucketed batches", 1, "--data.length_bucketing=true"
+        ),  # fmt: skip
+        student(
+            "s_luse_bucketed",
+            "LUSE k=2 EDA + 1 dropout view, length-bucketed batches",
+            4,
+            *luse_views(2, 1),
+            loss_override({"luse": {}}),
+            "--data.length_bucketing=true",
+        ),  # fmt: skip
         student("s_kl", "in-batch similarity KL alone", 1, loss_override({"kl": {}})),
         student("s_distill_kl", "distillation + KL", 1, loss_override(distill, {"kl": {}})),
-        student("s_luse_distill", "LUSE + distillation", 4, *luse_views(2, 1),
-                loss_override({"luse": {}}, distill)),  # fmt: skip
-        student("s_luse_tpos", "LUSE + distillation + teacher as a positive", 4, *luse_views(2, 1),
-                loss_override({"luse": {"teacher_positive": True}}, distill)),  # fmt: skip
+        student(
+            "s_luse_distill",
+            "LUSE + distillation",
+            4,
+            *luse_views(2, 1),
+            loss_override({"luse": {}}, distill),
+        ),  # fmt: skip
+        student(
+            "s_luse_tpos",
+            "LUSE + distillation + teacher as a positive",
+            4,
+            *luse_views(2, 1),
+            loss_override({"luse": {"teacher_positive": True}}, distill),
+        ),  # fmt: skip
         # 4 mined hard negatives per sentence are encoded too: 2 + 1 + 1 views + 4 = 8 sequences a sentence
-        student("s_luse_distill_hn", "LUSE + distillation + 4 mined hard negatives", 8, *luse_views(2, 1),
-                loss_override({"luse": {}}, distill), "--data.num_hard_negatives=4"),  # fmt: skip
-        student("s_scratch_distill", "distillation into the student's architecture, random init", 1,
-                "--model.random_init=true"),  # fmt: skip
+        student(
+            "s_luse_distill_hn",
+            "LUSE + distillation + 4 mined hard negatives",
+            8,
+            *luse_views(2, 1),
+            loss_override({"luse": {}}, distill),
+            "--data.num_hard_negatives=4",
+        ),  # fmt: skip
+        student(
+            "s_scratch_distill",
+            "distillation into the student's architecture, random init",
+            1,
+            "--model.random_init=true",
+        ),  # fmt: skip
         # issue 25: the main job's row on the same teacher vectors stored as int8 + a per-row scale
-        Condition("s_distill_int8", "embedding distillation, teacher vectors stored int8 (main job)",
-                  views=1, config=STUDENT_CONFIG, int8_teacher=True),  # fmt: skip
+        Condition(
+            "s_distill_int8",
+            "embedding distillation, teacher vectors stored int8 (main job)",
+            views=1,
+            config=STUDENT_CONFIG,
+            int8_teacher=True,
+        ),  # fmt: skip
     ]
     return {c.name: c for c in rows}
 

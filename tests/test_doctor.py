@@ -154,8 +154,12 @@ def _two_nodes(dirs, wait=4):
     for rank, run_dir in enumerate(dirs):
         env = {k: v for k, v in os.environ.items() if k not in GPU_VARS + TASK_VARS}
         env.update(
-            SLURM_JOB_ID="77", SLURM_STEP_ID="0", SLURM_NTASKS="2", SLURM_PROCID=str(rank),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            SLURM_JOB_ID="77",
+            SLURM_STEP_ID="0",
+            SLURM_NTASKS="2",
+            SLURM_PROCID=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
         )  # fmt: skip (one SLURM node as far as the rendezvous goes: 127.0.0.1 is right on one machine)
         cmd = [sys.executable, "-m", "pipeline", "doctor", f"--run_dir={run_dir}", "--device=cpu"]
         cmd.append(f"--wait={wait}")

@@ -272,9 +272,7 @@ def test_unsupported_sentence_transformers_modules_are_refused(exported, tmp_pat
     lstm = tmp_path / "lstm"  # (a Dense is supported: tests/test_export_whitening.py)
     shutil.copytree(exported, lstm)
     modules = json.loads((lstm / "modules.json").read_text())
-    modules.insert(
-        -1, {"idx": 9, "name": "9", "path": "9_LSTM", "type": "sentence_transformers.models.LSTM"}
-    )
+    modules.insert(-1, {"idx": 9, "name": "9", "path": "9_LSTM", "type": "sentence_transformers.models.LSTM"})
     (lstm / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(InputError, match="module LSTM is not supported"):
         SentenceEncoder.from_pretrained(lstm)

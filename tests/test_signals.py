@@ -117,6 +117,7 @@ def test_policy_by_steps_and_minutes():
 
 def test_time_rule_is_read_only_at_check_steps():
     """The loop reads the clock (a broadcast and a host sync) at log steps only; step saves still count."""
+
     def due_steps(check_every: int) -> list[int]:
         policy = CheckpointPolicy(every_steps=7, every_minutes=1.0, now=0.0, check_every=check_every)
         return [s for s in range(1, 12) if policy.due(s, now=30.0 * s)]  # 30 s per step
