@@ -1,4 +1,6 @@
+import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -204,6 +206,14 @@ def test_fast_encoder_equals_the_transformers_tokenizer(tmp_path):
     ]
 
 
+def ignores(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` ignores ``sig``, from the SigIgn mask in /proc/PID/status (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
 def test_loader_workers_survive_a_preemption_signal(shards):
     """SLURM signals the whole process group: SIGUSR1's default action would kill a worker mid-epoch."""
     import os
@@ -220,6 +230,13 @@ def test_loader_workers_survive_a_preemption_signal(shards):
     got = [next(batches)["ids"]]  # the workers are running now
     workers = [p for p in psutil.Process().children() if p.pid not in before]
     assert len(workers) == 2
+    # Worker 0 made the first batch, but worker 1 may still be starting (a loaded machine): signalled
+    # before its worker_init_fn ran, it dies by SIGUSR1's default action, which is not what this tests.
+    # Wait until the kernel shows SIGUSR1 ignored in each worker (its SigIgn mask).
+    deadline = time.monotonic() + 60
+    while not all(ignores(w.pid, signal.SIGUSR1) for w in workers):
+        assert time.monotonic() < deadline, "a loader worker never ran worker_init_fn"
+        time.sleep(0.05)
     for worker in workers:
         os.kill(worker.pid, signal.SIGUSR1)
     got += [b["ids"] for b in batches]
