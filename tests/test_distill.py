@@ -22,7 +22,7 @@ def test_embedding_loss_cosine_and_mse_literal():
     expected_mse = sum(float(((s[b] - t[b]) ** 2).sum()) for b in range(4)) / (4 * 6)
     assert distill.embedding_loss(s, 3 * t, "mse").item() == pytest.approx(expected_mse)  # t normalised
     assert distill.embedding_loss(t, t, "cosine").item() == pytest.approx(0.0, abs=1e-12)
-    with pytest.raises(ValueError, match="teacher_dim"):
+    with pytest.raises(ValueError, match="teacher width the shards' manifest records"):
         distill.embedding_loss(s, unit(4, 5))
 
 

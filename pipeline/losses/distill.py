@@ -57,7 +57,8 @@ def embedding_loss(student: torch.Tensor, teacher: torch.Tensor, kind: str = "co
     if student.shape != teacher.shape or student.dim() != 2:
         raise ValueError(
             f"student and teacher must both be (B, D); got {tuple(student.shape)}, {tuple(teacher.shape)} "
-            "(set data.teacher_dim so that a projection is built)"
+            "(the trainer projects the student to the teacher width the shards' manifest records; a caller "
+            "outside it must project first)"
         )
     s = F.normalize(at_least_float32(student), dim=-1)  # (B, D)
     t = F.normalize(teacher.to(s.dtype), dim=-1)  # (B, D)
@@ -132,7 +133,7 @@ def _distill_loss(c: DistillConfig, out: StepOutput) -> torch.Tensor:
 
 
 def _student(out: StepOutput, student: torch.Tensor) -> torch.Tensor:
-    """(B, H) student rows, projected to the teacher's width when there is a head (data.teacher_dim)."""
+    """(B, H) student rows, projected to the teacher's width (the manifest's) when there is a head."""
     if out.head is not None:
         student = F.normalize(out.head(student.to(out.head.weight.dtype)), dim=-1)  # (B, D_t)
     return student
