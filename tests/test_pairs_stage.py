@@ -351,6 +351,23 @@ def test_consistency_filter_keeps_top_k_and_stores_scores(tmp_path, tiny_teacher
         np.linalg.norm(vectors, axis=1), 1, atol=1e-2
     )
 
+    # An int8 copy is still pair shards (training reads both sides, by source); tokenize refuses them.
+    from pipeline.data.sources import is_pair_set
+    from pipeline.errors import InputError
+    from pipeline.shards import read_shard_set
+    from pipeline.stages.tokenize import Config as TokenizeConfig
+    from pipeline.stages.tokenize import run as tokenize_run
+
+    int8 = tmp_path / "int8"
+    assert teacher_run(TeacherConfig(shards=out, out=int8, dtype="int8", progress=False)) == 0
+    converted = read_manifest(int8)
+    assert converted["input_stage"] == "pairs" and converted["pair_filter"] == manifest["pair_filter"]
+    sources = [e["block_sources"] for e in manifest["shards"]]
+    assert [e["block_sources"] for e in converted["shards"]] == sources
+    assert is_pair_set(read_shard_set(int8))
+    with pytest.raises(InputError, match="holds pair shards"):
+        tokenize_run(TokenizeConfig(shards=int8, out=tmp_path / "ids", model=str(tiny_teacher)))
+
 
 def test_plain_text_gives_neighbouring_sentences_only_when_asked(tmp_path):
     from _real_records import CLUE_DOCUMENTS

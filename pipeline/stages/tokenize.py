@@ -179,6 +179,11 @@ def tokenize_shard(job: ShardJob, encoder: IdEncoder, report: Report) -> dict[st
 def run(cfg: Config) -> int:
     reads = "tokenize reads the output of `augment`, `teacher` or `preprocess`"
     in_manifest = read_input(cfg, "tokenize", ("preprocess", "augment", "teacher"), reads)
+    if in_manifest.get("input_stage") == "pairs":  # it would store ids of the anchors alone
+        raise InputError(
+            f"{cfg.shards} holds pair shards (`pipeline pairs`); tokenize stores the ids of sentence shards "
+            "only: train on the pair shards as they are (their texts are tokenised in the loader)"
+        )
     tokenizer, prefix = load_tokenizer(cfg)
     record = tokenizer_record(cfg, tokenizer, prefix)
     stage = ShardStage("tokenize", cfg, in_manifest, WORK_DIR, {"tokenizer": record},

@@ -332,6 +332,8 @@ def convert_shard(job: ShardJob, cfg: Config, report: Report | None = None) -> d
             yield block
 
     entry = write_shard(job.out_dir / job.name, out_blocks(), job.shard_index)
+    if "block_sources" in job.entry:  # pair shards: the same blocks, so the same source of each
+        entry["block_sources"] = list(job.entry["block_sources"])
     return job.write_record(entry, counts)
 
 
@@ -396,6 +398,9 @@ def finish(cfg: Config, in_manifest: dict[str, Any], records: list[dict[str, Any
     entries = [r["entry"] for r in records]
     if in_manifest.get("stage") == "teacher":  # a conversion: the input's negatives, as they were
         extra["input_stage"] = "teacher"
+        if in_manifest.get("input_stage") == "pairs":  # still pair shards: training must read them so
+            extra["input_stage"] = "pairs"
+            extra["pair_filter"] = in_manifest.get("pair_filter")
         if "hard_negatives" in in_manifest:
             extra["hard_negatives"] = in_manifest["hard_negatives"]
             counts["hard_negatives"] = in_manifest["counts"]["hard_negatives"]
