@@ -295,7 +295,7 @@ def test_luse_bce_falls_when_training_a_tiny_encoder():
 # ----------------------------------------------------------------------------------------- registry
 def test_registry_names_inputs_and_unknown_name():
     main = {n for n, t in TERMS.items() if t.data is not None}  # the terms that decide the data
-    assert main == {"luse", "simcse", "sup_simcse", "cosent", "sbert", "luse_bce"}
+    assert main == {"luse", "simcse", "sup_simcse", "cosent", "sbert", "luse_bce", "pairs"}
     assert set(TERMS) - main == {"distill", "kl", "mlm", "matryoshka"}
     luse, cosent = TERMS["luse"], TERMS["cosent"]
     assert "views" in luse.reads(luse.config()) and cosent.reads(cosent.config()) == {"pairs", "labels"}
