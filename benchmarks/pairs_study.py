@@ -8,7 +8,8 @@ Stages (each skipped when its output exists, so a rerun continues):
     news id, paper) with a seeded hash: a held-out part becomes the retrieval sets (query -> document,
     the documents of the held-out part are the corpus), the rest (capped per source) is what the arms
     train on. Then ``pipeline pairs`` and the teacher stage (both sides embedded, consistency scores
-    stored; ``--pair-top-k 0`` keeps every pair, ``--pair-top-k 2`` a second, filtered set).
+    stored; ``--top-k 0`` keeps every pair, ``--top-k 0 2`` also writes a filtered set, which no arm
+    reads yet).
     Translation pairs (Tatoeba) are left out: the student's vocabulary is trimmed to the Chinese
     sample's characters, so English would be mostly unknown pieces.
 ``run``
@@ -20,8 +21,14 @@ Stages (each skipped when its output exists, so a rerun continues):
     The five STS sets (``--max_pairs`` per set, seeded) and the held-out retrieval sets for every
     finished run, and the starting model; ``report`` prints the tables (mean +- std over seeds).
 
-    .venv/bin/python benchmarks/pairs_study.py prepare
-    .venv/bin/python benchmarks/pairs_study.py run --arms distill_pairtexts,pairs,distill_pairs --seeds 0,1,2
+What docs/BENCHMARKS.md reports ran as (one thread a run, two runs at once; the main job's shards in
+runs/sample/ from launch/run_sample.sh first)::
+
+    .venv/bin/python benchmarks/pairs_study.py prepare --per-source 2000
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pairs_study.py run --steps 100 \
+        --arms distill_pairtexts,distill_pairs --seeds 0,1,2
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pairs_study.py run --steps 100 \
+        --arms pairs,distill_corpus,distill_pairs_onesource --seeds 0
     .venv/bin/python benchmarks/pairs_study.py score && .venv/bin/python benchmarks/pairs_study.py report
 """
 
@@ -240,7 +247,7 @@ def main() -> None:
     p.add_argument("--heldout-share", type=float, default=0.05)
     p.add_argument("--queries-per-source", type=int, default=500)
     p.add_argument("--max-length", type=int, default=64)
-    p.add_argument("--top-k", type=int, nargs="*", default=[0, 2])
+    p.add_argument("--top-k", type=int, nargs="*", default=[0])
     p = sub.add_parser("run")
     p.add_argument("--arms", default="distill_corpus,distill_pairtexts,pairs,distill_pairs")
     p.add_argument("--seeds", default="0,1,2")
