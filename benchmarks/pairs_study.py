@@ -28,7 +28,7 @@ runs/sample/ from launch/run_sample.sh first)::
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pairs_study.py run --steps 100 \
         --arms distill_pairtexts,distill_pairs --seeds 0,1,2
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pairs_study.py run --steps 100 \
-        --arms pairs,distill_corpus,distill_pairs_onesource --seeds 0
+        --arms pairs,distill_corpus,distill_pairs_onesource,distill_pairs_w001 --seeds 0
     .venv/bin/python benchmarks/pairs_study.py score && .venv/bin/python benchmarks/pairs_study.py report
 """
 
@@ -166,6 +166,7 @@ def arm_args(arm: str, seed: int, steps: int) -> list[str]:
         "distill_pairtexts": [*mixed, "--loss=[{distill: {loss: cosine}}]"],
         "pairs": [*mixed, "--loss=[{pairs: {temperature: 0.05}}]"],
         "distill_pairs": [*mixed, both],
+        "distill_pairs_w001": [*mixed, both.replace("weight: 0.1}", "weight: 0.01}")],
         "distill_pairs_onesource": [f"--data.shards={pairs}", "--data.one_source_per_batch=true", both],
     }
     extra = os.environ.get(f"ARM_{arm.upper()}")  # e.g. a sweep arm: a JSON list of overrides

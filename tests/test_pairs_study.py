@@ -22,7 +22,14 @@ def study(monkeypatch):
     return runpy.run_path(str(BENCHMARKS / "pairs_study.py"), run_name="pairs_study")
 
 
-ARMS = ["distill_corpus", "distill_pairtexts", "pairs", "distill_pairs", "distill_pairs_onesource"]
+ARMS = [
+    "distill_corpus",
+    "distill_pairtexts",
+    "pairs",
+    "distill_pairs",
+    "distill_pairs_onesource",
+    "distill_pairs_w001",
+]
 
 
 @pytest.mark.parametrize("arm", ARMS)
@@ -37,8 +44,11 @@ def test_each_arm_parses_to_the_training_config_it_names(study, arm, monkeypatch
         "pairs": ["pairs"],
         "distill_pairs": ["distill", "pairs"],
         "distill_pairs_onesource": ["distill", "pairs"],
+        "distill_pairs_w001": ["distill", "pairs"],
     }[arm]
     assert names == expected
+    weights = [wt.weight for wt in cfg.terms().terms]
+    assert weights == {"distill_pairs": [1.0, 0.1], "distill_pairs_w001": [1.0, 0.01]}.get(arm, weights)
     # equal compute: 128 encoded texts a step in every arm (64 pairs, or 128 corpus sentences)
     assert cfg.train.global_batch_size == (128 if arm == "distill_corpus" else 64)
     assert cfg.data.one_source_per_batch == (arm == "distill_pairs_onesource")
