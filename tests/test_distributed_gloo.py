@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _gloo import spawn_ranks
 
 from pipeline import distributed
 from pipeline.losses import cosent, distill, multi_positive, pairwise_bce, simcse, sup_simcse
@@ -132,69 +131,59 @@ def local_slice(name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
     return tensor[rank * B : (rank + 1) * B]
 
 
-def _worker(rank: int, store: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    # A file store: no port to race for with whatever else runs on the machine.
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    try:
-        out: dict[str, object] = {
-            "rank": distributed.rank(),
-            "world": distributed.world_size(),
-            "main": distributed.is_main_process(),
-        }
-        everything = global_inputs()
+def _body(rank: int) -> dict:
+    out: dict[str, object] = {
+        "rank": distributed.rank(),
+        "world": distributed.world_size(),
+        "main": distributed.is_main_process(),
+    }
+    everything = global_inputs()
 
-        # gathers and reductions
-        x = torch.full((2, 3), float(rank + 1))
-        out["gather_no_grad"] = distributed.all_gather_no_grad(x)
-        out["reduce_sum"] = distributed.all_reduce_sum(torch.tensor([rank + 1.0]))
-        out["reduce_mean"] = distributed.all_reduce_mean(torch.tensor([rank + 1.0]))
-        out["broadcast"] = distributed.broadcast_object({"run": "abc"} if rank == 0 else None)
-        leaf = torch.full((2,), float(rank + 1), requires_grad=True)
-        gathered = distributed.all_gather_with_grad(leaf)
-        out["gather_with_grad"] = gathered.detach()
-        # loss_r = sum_i (i+1) * (r+1) * gathered_i: d(sum_r loss_r)/d leaf_r = sum_r (r+1) * weight
-        weights = torch.arange(1.0, 1.0 + gathered.numel())
-        ((rank + 1) * (weights * gathered).sum()).backward()
-        out["gather_grad"] = leaf.grad
-        distributed.barrier()
+    # gathers and reductions
+    x = torch.full((2, 3), float(rank + 1))
+    out["gather_no_grad"] = distributed.all_gather_no_grad(x)
+    out["reduce_sum"] = distributed.all_reduce_sum(torch.tensor([rank + 1.0]))
+    out["reduce_mean"] = distributed.all_reduce_mean(torch.tensor([rank + 1.0]))
+    out["broadcast"] = distributed.broadcast_object({"run": "abc"} if rank == 0 else None)
+    leaf = torch.full((2,), float(rank + 1), requires_grad=True)
+    gathered = distributed.all_gather_with_grad(leaf)
+    out["gather_with_grad"] = gathered.detach()
+    # loss_r = sum_i (i+1) * (r+1) * gathered_i: d(sum_r loss_r)/d leaf_r = sum_r (r+1) * weight
+    weights = torch.arange(1.0, 1.0 + gathered.numel())
+    ((rank + 1) * (weights * gathered).sum()).backward()
+    out["gather_grad"] = leaf.grad
+    distributed.barrier()
 
-        # every loss: per-rank value and the local-input gradients
-        for case, (fn, sample_inputs) in CASES.items():
-            local = {k: local_slice(k, v, rank).clone() for k, v in everything.items()}
-            for k in sample_inputs:
-                local[k].requires_grad_(True)
-            loss = fn(local, True)
-            loss.backward()
-            out[f"{case}/loss"] = loss.detach()
-            out[f"{case}/grads"] = {k: local[k].grad / WORLD for k in sample_inputs}
-
-        # a real DDP model under the gathered, queued loss
-        model = torch.nn.parallel.DistributedDataParallel(tiny_encoder())
-        features = local_slice("features", everything["features"], rank)
-        embeddings = F.normalize(model(features), dim=-1)  # (n, B, H)
-        loss = multi_positive.compute_loss(embeddings, TAU, queue=everything["queue"].float())
+    # every loss: per-rank value and the local-input gradients
+    for case, (fn, sample_inputs) in CASES.items():
+        local = {k: local_slice(k, v, rank).clone() for k, v in everything.items()}
+        for k in sample_inputs:
+            local[k].requires_grad_(True)
+        loss = fn(local, True)
         loss.backward()
-        out["ddp/loss"] = loss.detach()
-        out["ddp/grads"] = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+        out[f"{case}/loss"] = loss.detach()
+        out[f"{case}/grads"] = {k: local[k].grad / WORLD for k in sample_inputs}
 
-        # the queue: identical on every rank after gathered enqueues, wrapping around
-        queue = NegativeQueue(size=6, dim=H)
-        for step in range(4):
-            queue.enqueue_gathered(queue_keys(step, rank), queue_ids(step, rank), -queue_ids(step, rank))
-        out["queue"] = queue.state_dict()
-        torch.save(out, f"{out_dir}/rank{rank}.pt")
-        # Leave together: a rank tearing down gloo while its peer still talks to it can abort the peer.
-        distributed.barrier()
-    finally:
-        dist.destroy_process_group()
+    # a real DDP model under the gathered, queued loss
+    model = torch.nn.parallel.DistributedDataParallel(tiny_encoder())
+    features = local_slice("features", everything["features"], rank)
+    embeddings = F.normalize(model(features), dim=-1)  # (n, B, H)
+    loss = multi_positive.compute_loss(embeddings, TAU, queue=everything["queue"].float())
+    loss.backward()
+    out["ddp/loss"] = loss.detach()
+    out["ddp/grads"] = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+
+    # the queue: identical on every rank after gathered enqueues, wrapping around
+    queue = NegativeQueue(size=6, dim=H)
+    for step in range(4):
+        queue.enqueue_gathered(queue_keys(step, rank), queue_ids(step, rank), -queue_ids(step, rank))
+    out["queue"] = queue.state_dict()
+    return out
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("gloo")
-    mp.spawn(_worker, args=(str(out_dir / "store"), str(out_dir)), nprocs=WORLD, join=True)
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    return spawn_ranks(tmp_path_factory, "gloo", _body, WORLD)
 
 
 def test_rank_helpers(ranks):

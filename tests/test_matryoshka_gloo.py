@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _gloo import spawn_ranks
 
 from pipeline.losses import build_loss
 from pipeline.losses.terms import StepOutput
@@ -59,35 +58,27 @@ def step_output(case: str, x: dict[str, torch.Tensor], views: torch.Tensor, gath
     )
 
 
-def _worker(rank: int, store: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    try:
-        everything = global_inputs()
-        local = {
-            "views": everything["views"][:, rank * B : (rank + 1) * B],
-            "teacher": everything["teacher"][rank * B : (rank + 1) * B],
-            "labels": everything["labels"][rank * B : (rank + 1) * B],
-            "queue": everything["queue"],
-            "teacher_queue": everything["teacher_queue"],
-        }
-        out = {}
-        for case, entries in CASES.items():
-            views = local["views"].clone().requires_grad_(True)
-            value = build_loss(entries)(step_output(case, local, views, True))["matryoshka"]
-            value.backward()
-            out[case] = (value.detach(), views.grad / WORLD)
-        torch.save(out, f"{out_dir}/rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _body(rank: int) -> dict:
+    everything = global_inputs()
+    local = {
+        "views": everything["views"][:, rank * B : (rank + 1) * B],
+        "teacher": everything["teacher"][rank * B : (rank + 1) * B],
+        "labels": everything["labels"][rank * B : (rank + 1) * B],
+        "queue": everything["queue"],
+        "teacher_queue": everything["teacher_queue"],
+    }
+    out = {}
+    for case, entries in CASES.items():
+        views = local["views"].clone().requires_grad_(True)
+        value = build_loss(entries)(step_output(case, local, views, True))["matryoshka"]
+        value.backward()
+        out[case] = (value.detach(), views.grad / WORLD)
+    return out
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("gloo_matryoshka")
-    mp.spawn(_worker, args=(str(out_dir / "store"), str(out_dir)), nprocs=WORLD, join=True)
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    return spawn_ranks(tmp_path_factory, "gloo_matryoshka", _body, WORLD)
 
 
 @pytest.mark.parametrize("case", list(CASES))

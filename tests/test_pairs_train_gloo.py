@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _gloo import spawn_ranks
 
 from pipeline.losses.pairs import compute_loss
 
@@ -40,31 +39,23 @@ def run_case(x: dict[str, torch.Tensor], gather: bool, counts: dict | None = Non
                         counts=counts, **options)  # fmt: skip
 
 
-def _worker(rank: int, store: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    try:
-        out = {}
-        for case, options in CASES.items():
-            local = {k: v[rank * B : (rank + 1) * B].clone() for k, v in global_inputs().items()}
-            for k in ("anchor", "positive"):
-                local[k].requires_grad_(True)
-            counts: dict = {}
-            loss = run_case(local, True, counts, **options)
-            loss.backward()
-            out[case] = {"loss": loss.detach(), "count": counts["false_negatives"],
-                         "grads": {k: local[k].grad / WORLD for k in ("anchor", "positive")}}  # fmt: skip
-        torch.save(out, f"{out_dir}/rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _body(rank: int) -> dict:
+    out = {}
+    for case, options in CASES.items():
+        local = {k: v[rank * B : (rank + 1) * B].clone() for k, v in global_inputs().items()}
+        for k in ("anchor", "positive"):
+            local[k].requires_grad_(True)
+        counts: dict = {}
+        loss = run_case(local, True, counts, **options)
+        loss.backward()
+        out[case] = {"loss": loss.detach(), "count": counts["false_negatives"],
+                     "grads": {k: local[k].grad / WORLD for k in ("anchor", "positive")}}  # fmt: skip
+    return out
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("pairs_gloo")
-    mp.spawn(_worker, args=(str(out_dir / "store"), str(out_dir)), nprocs=WORLD, join=True)
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    return spawn_ranks(tmp_path_factory, "pairs_gloo", _body, WORLD)
 
 
 @pytest.mark.parametrize("case", list(CASES))
