@@ -8,8 +8,7 @@ for hit in index.search(["北京今天的天气"], k=5)[0]:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import numpy as np
 from pipeline.errors import InputError
 from pipeline.search import layout
 from pipeline.search.backend import GpuPlacement, read_index, set_search_params
+from pipeline.search.encoder import with_prefix
 from pipeline.search.reduction import Reduction
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class SearchIndex:
         return self
 
     def _load_encoder(self, model: str | None, device: str) -> Any:
-        from pipeline.search.index import load_encoder
+        from pipeline.search.encoder import load_encoder
 
         info = self.manifest["model"]
         ref = model or info["path"]
@@ -189,16 +189,3 @@ class SearchIndex:
         except RuntimeError:
             faiss.extract_index_ivf(self.index).make_direct_map()
             return self.index.reconstruct_batch(rows)
-
-
-@contextmanager
-def with_prefix(encoder: Any, prefix: str | None) -> Iterator[Any]:
-    """``encoder`` with ``prefix`` put before every text for the block (None: leave its own)."""
-    if prefix is None:
-        yield encoder
-        return
-    own, encoder.prefix = encoder.prefix, prefix
-    try:
-        yield encoder
-    finally:
-        encoder.prefix = own

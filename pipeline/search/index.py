@@ -26,10 +26,10 @@ from pipeline.errors import ConfigError, InputError
 from pipeline.evaluate.resolve import Resolved
 from pipeline.io import atomic_write_json, atomic_write_parquet
 from pipeline.search import layout
-from pipeline.search.api import with_prefix
 from pipeline.search.backend import build_index, default_nlist, faiss_module, write_index
 from pipeline.search.chunks import ChunkStore
 from pipeline.search.corpus import Corpus, read_corpus
+from pipeline.search.encoder import load_encoder, with_prefix
 from pipeline.search.reduction import Reduction, ReductionKind, fit_reduction
 
 log = logging.getLogger(__name__)
@@ -101,27 +101,6 @@ class Config:
             raise ConfigError(f"--nlist must be >= 0 (0 picks about 4*sqrt(N)), got {self.nlist}")
         if self.ef_construction < 1 or self.ef_search < 1:
             raise ConfigError("--ef-construction and --ef-search must be >= 1")
-
-
-def load_encoder(
-    ref: str, max_length: int | None, device: str, pooling: str | None = None, prefix: str | None = None
-) -> tuple[Any, Resolved]:
-    """A model folder, checkpoint, run directory or Hub name (see pipeline.evaluate.resolve), loaded.
-
-    ``pooling``/``prefix`` override the folder's rule; queries reuse the ones the index was built with.
-    """
-    import torch
-
-    from pipeline.evaluate.resolve import load_encoder as load_resolved
-    from pipeline.evaluate.resolve import resolve
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    resolved = resolve(ref)
-    encoder = load_resolved(resolved, device, pooling, prefix)
-    if max_length is not None:
-        encoder.max_length = max_length
-    return encoder, resolved
 
 
 def document_prefix(resolved: Resolved, encoder: Any, cfg: Config) -> str:
