@@ -128,6 +128,8 @@ def bench_preemption(config_path: Path, nproc: int, sentences: int, workdir: Pat
     import psutil
     from _train_data import make_shards
 
+    from pipeline.run_layout import CHECKPOINTS_DIR, STEP_GLOB, step_of
+
     shards = workdir / "shards"
     per_block = max(sentences // 4, 1)
     make_shards(shards, [[per_block, per_block], [per_block, per_block]], num_variants=2)
@@ -152,7 +154,7 @@ def bench_preemption(config_path: Path, nproc: int, sentences: int, workdir: Pat
         w.send_signal(signal.SIGUSR1)
     proc.wait(timeout=600)
     t_exit = time.perf_counter()
-    saved = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
+    saved = max(filter(None, (step_of(p.name) for p in (run_dir / CHECKPOINTS_DIR).glob(STEP_GLOB))))
     proc = start()
     t_restart = time.perf_counter()
     wait(lambda: last_step(run_dir) > saved, 600, "the first step after the resume")

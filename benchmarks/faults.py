@@ -61,6 +61,7 @@ from pipeline.data.pairs import read_pairs
 from pipeline.errors import InputError
 from pipeline.io import atomic_write_json, sha256_file
 from pipeline.resources import SAMPLE_CORPUS, sample_sentences
+from pipeline.run_layout import CHECKPOINTS_DIR, SAVING_PREFIX, STEP_GLOB, step_dir_name, step_of
 from pipeline.shards import (
     BASE_SCHEMA,
     MANIFEST,
@@ -131,13 +132,13 @@ def checkpoint_kills(work: Path, runs: int, rng: random.Random) -> None:
         child.send_signal(signal.SIGKILL)
         out, _ = child.communicate()
         done += [int(x) for x in out.split()]
-        tmp_left = any((run_dir / "checkpoints").glob(".tmp-step-*"))
+        tmp_left = any((run_dir / CHECKPOINTS_DIR).glob(SAVING_PREFIX + STEP_GLOB))
         mid_write += tmp_left
         latest = Checkpointer(run_dir).latest()
         ok = latest is not None and not latest.name.startswith(".")
         if ok:
             verify_checkpoint(latest)
-            ok = int(latest.name.split("-")[1]) >= max(done)  # no finished save lost
+            ok = (step_of(latest.name) or 0) >= max(done)  # no finished save lost
         picked_ok += ok
     row(
         "kill -9 during checkpoint writes",
@@ -481,7 +482,7 @@ def killed_run(
         if not alive or (run_dir / "model").exists():  # the run had finished: this kill missed
             return False, resumed_right, fresh, False
         latest = Checkpointer(run_dir).latest()
-        expected = int(latest.name.split("-")[1]) if latest is not None else None
+        expected = step_of(latest.name) if latest is not None else None
         print(f"      {run_dir.name}: kill {k + 1} after step {reached} (aimed at {target}), newest "
               f"complete checkpoint: {expected}")  # fmt: skip
     raise AssertionError("unreachable")
@@ -649,7 +650,7 @@ def nonfinite_stop(work: Path, runs: int, rng: random.Random) -> None:
         args = ("--checkpoint.every_steps=2", f"--guard.max_nonfinite_steps={k}")
         done = guard_run(shards, run_dir, poison, [], *args)
         errors = [x[x.index("error:") :] for x in done.stderr.splitlines() if "error:" in x]
-        newest = f"step-{start // 2 * 2:08d}"
+        newest = step_dir_name(start // 2 * 2)
         names = [p.name for p in Checkpointer(run_dir).checkpoints()]
         intact = (
             names[-1:] == [newest]
@@ -700,7 +701,7 @@ def loss_spikes(work: Path, runs: int, rng: random.Random) -> None:
         trained = [tuple(p) for p in json.loads(done.stdout.split("trained on:")[-1])] if ran else []
         rollbacks = metric_events(run_dir, "spike_rollback") if ran else []
         # detection at the 2nd spiked step; the checkpoint before the spike's 1st step; then 2 batches on
-        expected_from = f"step-{start // 4 * 4:08d}"
+        expected_from = step_dir_name(start // 4 * 4)
         good = (
             len(rollbacks) == 1 and rollbacks[0]["resumed_from"] == expected_from
             and rollbacks[0]["skipped_to"] == [0, start + 2 + 2] and (0, start + 2) not in trained

@@ -44,6 +44,7 @@ from _common import (
 from _common import table as markdown_table
 
 from pipeline.evaluate.sts import STS_SETS
+from pipeline.run_layout import CHECKPOINTS_DIR, STEP_GLOB, step_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -388,8 +389,8 @@ def run_curve(args: argparse.Namespace) -> list[dict[str, float]]:
         with (out.parent / f"{out.name}.log").open("a", encoding="utf-8") as log:
             subprocess.run(command, check=True, cwd=ROOT, stdout=log, stderr=log, env=quiet_env())
     points = [(0, save_untrained(args, args.seeds[0], args.out / f"untrained_seed{args.seeds[0]}"))]
-    for ckpt in sorted((out / "checkpoints").glob("step-*")):  # step-00000100: sorts by step
-        points.append((int(ckpt.name.split("-")[1]), ckpt))
+    steps = {step_of(p.name): p for p in (out / CHECKPOINTS_DIR).glob(STEP_GLOB)}
+    points += sorted((s, p) for s, p in steps.items() if s is not None)
     rows = []
     for step, model in points:
         target = out / "curve" / f"step_{step:07d}"

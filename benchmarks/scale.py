@@ -57,6 +57,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from _common import table as markdown_table  # noqa: E402
 from preprocess import PeakRSS, make_corpus  # noqa: E402  (the shared corpus generator)
 
+from pipeline.run_layout import CHECKPOINTS_DIR, STEP_GLOB, step_of  # noqa: E402
+from pipeline.run_layout import MANIFEST as CHECKPOINT_MANIFEST  # noqa: E402
 from pipeline.shards import (  # noqa: E402
     iter_blocks,
     new_manifest,
@@ -507,9 +509,9 @@ def kill(proc: subprocess.Popen) -> None:
 
 def saved(run_dir: Path) -> list[int]:
     """Steps of the complete checkpoints (``checkpoint.json`` is written last)."""
-    return [
-        int(p.parent.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*/checkpoint.json")
-    ]
+    complete = (run_dir / CHECKPOINTS_DIR).glob(f"{STEP_GLOB}/{CHECKPOINT_MANIFEST}")
+    done = [step_of(p.parent.name) for p in complete]
+    return [s for s in done if s is not None]
 
 
 def logged_seconds(log: Path, marker: str) -> float | None:
