@@ -44,6 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from pipeline.normalize import normalize_text
 from pipeline.stages.preprocess.text import Cleaner, ends_sentence, remove_whitespace, split_sentences
 
@@ -87,7 +89,7 @@ class Candidate:
     group: int
     batch_key: str
     latin_positive: bool = False  # translation2019zh's English side: no CJK share asked of it
-    positive_key: str | None = None  # key_text(positive) when the extractor already computed it
+    sibling: str | None = None  # news2016zh's title-desc: the record's lead, for ``sibling_duplicate``
 
 
 def group_id(source: str, record_id: str) -> int:
@@ -151,6 +153,72 @@ def key_text(text: str) -> str:
     if not unicodedata.is_normalized("NFKC", text):
         text = unicodedata.normalize("NFKC", text)
     return _drop_bmp().sub("", text.casefold())
+
+
+_SEP = "\x1f"  # joins a batch of texts in ``key_texts``: a control character, dropped from every key
+_DROPPED = 0x110000  # ``_key_map`` values past the code space: the character leaves the key ...
+_SPECIAL = 0x110001  # ... or its text goes to ``key_text`` whole
+_KEY_MAP: np.ndarray | None = None
+
+
+def _key_map() -> np.ndarray:
+    """What ``key_text`` makes of each BMP character of a text it does not normalise: the one
+    character it becomes (its ASCII compatibility decomposition, case-folded, when that leaves one
+    character; else itself case-folded), ``_DROPPED`` (a P/Z/C character, or a decomposition of
+    only such) or ``_SPECIAL``: the character needs the whole text (NFKC may change it or a
+    neighbour: not NFKC quick-check Yes, or a combining mark; a multi-character case folding or
+    decomposition; a surrogate). Entry 0x10000 stands for every astral character: ``_SPECIAL``."""
+    global _KEY_MAP
+    if _KEY_MAP is None:
+        _, table = _compat()
+        seconds = set(range(0x1161, 0x1176)) | set(range(0x11A8, 0x11C3))  # Hangul V and T jamo
+        for cp in range(0x10000):
+            parts = unicodedata.decomposition(chr(cp)).split()
+            if parts and not parts[0].startswith("<"):
+                seconds.update(int(p, 16) for p in parts[1:])  # may compose with what precedes it
+
+        def dropped(c: str) -> bool:
+            return unicodedata.category(c)[0] in "PZC"
+
+        out = np.full(0x10001, _SPECIAL, dtype=np.uint32)
+        for cp in range(0x10000):
+            c = chr(cp)
+            if c in table:  # replaced before the quick check; the ASCII it becomes is NFKC-stable
+                kept = "".join(x for x in table[c].casefold() if not dropped(x))
+                out[cp] = _DROPPED if not kept else (ord(kept) if len(kept) == 1 else _SPECIAL)
+            elif 0xD800 <= cp < 0xE000 or cp in seconds or unicodedata.combining(c):
+                continue
+            elif unicodedata.normalize("NFKC", c) != c:
+                continue
+            else:
+                folded = c.casefold()
+                if len(folded) != 1 or ord(folded) >= 0x10000:
+                    continue
+                out[cp] = _DROPPED if dropped(folded) else ord(folded)
+        out[ord(_SEP)] = ord(_SEP)
+        _KEY_MAP = out
+    return _KEY_MAP
+
+
+def key_texts(texts: list[str]) -> list[str]:
+    """``[key_text(t) for t in texts]``, vectorised: the batch joined, encoded as UTF-32 once and
+    mapped character by character through ``_key_map``; a text with a character the map cannot
+    decide alone goes to ``key_text`` itself. The same strings (tests/test_pairs_stage.py checks)."""
+    if not texts:
+        return []
+    joined = _SEP.join(texts)
+    if joined.count(_SEP) != len(texts) - 1:  # a text holds the separator itself
+        return [key_text(t) for t in texts]
+    codes = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+    mapped = _key_map()[np.minimum(codes, 0x10000)]
+    kept = mapped[mapped < _DROPPED]
+    keys = kept.tobytes().decode("utf-32-le").split(_SEP)
+    special = np.flatnonzero(mapped == _SPECIAL)
+    if len(special):
+        seps = np.flatnonzero(codes == ord(_SEP))
+        for i in np.unique(np.searchsorted(seps, special)).tolist():
+            keys[i] = key_text(texts[i])
+    return keys
 
 
 def pair_id(anchor_key: str, positive_key: str) -> int:
@@ -253,15 +321,22 @@ def _news(obj: dict[str, Any], cleaner: Cleaner, rules: PairRules, note: Any) ->
     if _string(obj, "desc").strip():
         # desc is cut at a fixed length in the corpus: its unterminated tail goes, as content's would
         desc, _ = lead(cleaner, _string(obj, "desc"), rules.max_positive_chars, cut_tail=True)
-        d, b = key_text(desc), key_text(body)
-        if body and (b.startswith(d) or too_easy(d, b, rules.easy_prefix_ratio, rules.easy_jaccard)):
-            note("sibling_duplicate", desc)  # the lead says it too, in whole sentences
-        else:
-            out.append(Candidate("title-desc", title, desc, group, key, positive_key=d))
-        out.append(Candidate("title-lead", title, body, group, key, positive_key=b))
-    else:
-        out.append(Candidate("title-lead", title, body, group, key))
+        # ``sibling_duplicates`` decides it, for a batch of records at once
+        out.append(Candidate("title-desc", title, desc, group, key, sibling=body))
+    out.append(Candidate("title-lead", title, body, group, key))
     return out
+
+
+def sibling_duplicates(candidates: list[Candidate], rules: PairRules) -> list[bool]:
+    """For each candidate with a ``sibling`` (news2016zh's title-desc): whether its desc is a prefix
+    of the record's lead or too easy against it (module docstring); False for the others."""
+    pending = [c for c in candidates if c.sibling is not None]
+    keys = key_texts([c.positive for c in pending] + [c.sibling for c in pending])  # type: ignore[misc]
+    verdicts = iter(
+        bool(c.sibling) and (b.startswith(d) or too_easy(d, b, rules.easy_prefix_ratio, rules.easy_jaccard))
+        for c, d, b in zip(pending, keys[: len(pending)], keys[len(pending) :], strict=True)
+    )
+    return [next(verdicts) if c.sibling is not None else False for c in candidates]
 
 
 def _wiki(obj: dict[str, Any], cleaner: Cleaner, rules: PairRules, note: Any) -> list[Candidate]:

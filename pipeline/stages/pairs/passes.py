@@ -37,9 +37,10 @@ from pipeline.stages.pairs.extract import (
     REQUIRED,
     Candidate,
     PairRules,
-    key_text,
+    key_texts,
     pair_id,
     plain_pairs,
+    sibling_duplicates,
     too_easy,
 )
 from pipeline.stages.preprocess.neardup import NearDupParams, band_hashes, signatures
@@ -113,8 +114,11 @@ class _Writer:
         ids = np.array(columns["id"], dtype=np.uint64)
         keys = shuffle_keys(ids, self.params.seed)
         parts = partition_of(keys, self.params.num_partitions)
-        table = pa.table({**{n: pa.array(columns[n], PAIR_SCHEMA.field(n).type) for n in PAIR_SCHEMA.names},
-                          "part": parts})  # fmt: skip
+        # the 64-bit ids through numpy: pa.array over Python ints past 2**63 takes ~25 us each
+        arrays = {"id": pa.array(ids), "group": pa.array(np.array(columns["group"], dtype=np.uint64))}
+        for n in PAIR_SCHEMA.names:
+            arrays.setdefault(n, pa.array(columns[n], PAIR_SCHEMA.field(n).type))
+        table = pa.table({**{n: arrays[n] for n in PAIR_SCHEMA.names}, "part": parts})
         self.pairs.add(table, 3 * sum(map(len, columns["text"])) + 3 * sum(map(len, columns["positive"])))
         nd = self.params.neardup
         if self.bands is not None and nd is not None:
@@ -185,13 +189,10 @@ def _filter_and_add(
     easy = 1 + PAIR_REASONS.index("too_easy")
     columns: dict[str, list[Any]] = {n: [] for n in PAIR_SCHEMA.names}
     keys_text: list[str] = []
-    for i, c in enumerate(candidates):
-        if reason[i]:
-            continue
-        a_key = key_text(anchors[i])
-        # the extractor's key holds unless the length filter repaired the text (empty brackets)
-        p_key = c.positive_key if c.positive_key is not None and positives[i] == c.positive else None
-        p_key = key_text(positives[i]) if p_key is None else p_key
+    survivors = np.flatnonzero(reason == 0).tolist()
+    keys = key_texts([anchors[i] for i in survivors] + [positives[i] for i in survivors])
+    for i, a_key, p_key in zip(survivors, keys[: len(survivors)], keys[len(survivors) :], strict=True):
+        c = candidates[i]
         if too_easy(a_key, p_key, rules.easy_prefix_ratio, rules.easy_jaccard):
             reason[i] = easy
             continue
@@ -275,6 +276,22 @@ def _read_unit(
         samples.add(reason, _short(text))
 
     candidates: list[Candidate] = []
+    pending = 0  # candidates in ``candidates`` whose sibling rule is not decided yet
+
+    def settle() -> None:
+        """Decide the pending sibling rules (one batch of keys): drop those pairs, noted in order."""
+        nonlocal candidates, pending
+        if pending:
+            verdicts = sibling_duplicates(candidates, params.rules)
+            for c, dropped in zip(candidates, verdicts, strict=True):
+                if dropped:  # the lead says it too, in whole sentences (already in pairs_extracted)
+                    counts["sibling_duplicate"] += 1
+                    samples.add("sibling_duplicate", _short(c.positive))
+            candidates = [c for c, dropped in zip(candidates, verdicts, strict=True) if not dropped]
+            for c in candidates:
+                c.sibling = None
+            pending = 0
+
     number = 0
     try:
         for number, line, _ in iter_lines(unit, params.max_record_bytes):
@@ -314,11 +331,17 @@ def _read_unit(
             counts["records_with_pairs"] += 1
             counts["pairs_extracted"] += len(found)
             candidates += found
+            pending += sum(c.sibling is not None for c in found)
+            # a batch is the records up to the first that brings FLUSH_PAIRS pairs past the sibling
+            # rule: settled only when the count with the undecided ones reaches it (log-many times)
             if len(candidates) >= FLUSH_PAIRS:
-                _filter_and_add(source, candidates, params, counts, writer, cleaner, samples, progress)
-                candidates = []
+                settle()
+                if len(candidates) >= FLUSH_PAIRS:
+                    _filter_and_add(source, candidates, params, counts, writer, cleaner, samples, progress)
+                    candidates = []
     except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
         bad(number + 1, "unreadable", f"stream cannot be read further ({exc}); later records are lost")
+    settle()
     if candidates:
         _filter_and_add(source, candidates, params, counts, writer, cleaner, samples, progress)
 

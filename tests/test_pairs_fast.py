@@ -1,0 +1,133 @@
+"""The pairs stage's fast paths give what the plain ones give: ``key_texts`` is ``key_text`` (hence
+``normalize_text``) text by text, and the batched sibling rule of news2016zh drops the same pairs and
+cuts pass 1 into the same batches as deciding it record by record."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from pipeline.normalize import normalize_text
+from pipeline.resources import ROOT as RESOURCES
+from pipeline.shards import read_manifest, read_shard
+from pipeline.stages.pairs import extract, passes
+from pipeline.stages.pairs.extract import PairRules, key_text, key_texts, too_easy
+from pipeline.stages.pairs.run import Config, run
+
+EDGE = [
+    "ＡＢＣ１２３！ 你好，世界。",
+    "𠀀汉字\u200b𠀁",
+    "Ⅻ ﬁ ㍿ ℃ ㎏ ™",
+    "Straße ΣΑΣ ẞ ŉ",
+    "a\u0301 e\u200d\u0301",
+    "",
+    "  ",
+    "Ａ\u0301…",
+    "\u00a0x\u3000y",
+    "①②㍿",
+    "（你好）：“是”！……",
+    "가\u11a8 ᄀ\u1161 \u1100\u1161\u11a8",
+    "\uf900\uf901 豈",
+    "a\x1fb",  # the batch separator inside a text
+    "\ud800 lone surrogate",
+    "\u0958 क\u093c",
+]
+
+
+def _random_texts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    pools = [
+        (0x20, 0x3000),
+        (0, 0x10000),
+        (0x4E00, 0x4E80),
+        (0x10000, 0x30000),
+        (0x300, 0x370),
+        (0xFF00, 0xFFF0),
+    ]
+    return [
+        "".join(chr(rng.randrange(*rng.choice(pools))) for _ in range(rng.randrange(0, 12))) for _ in range(n)
+    ]
+
+
+def test_key_texts_is_key_text():
+    texts = list(EDGE)
+    for path in sorted((RESOURCES / "corpus" / "pairs").glob("*.gz")):
+        texts += [v for line in gzip.open(path) for v in json.loads(line).values() if isinstance(v, str)]
+    texts += _random_texts(3000, 0)
+    expected = [key_text(t) for t in texts]
+    assert expected[: len(EDGE)] == [normalize_text(t) for t in EDGE]
+    for size in (1, 2, 7, 100, len(texts)):
+        got = [k for i in range(0, len(texts), size) for k in key_texts(texts[i : i + size])]
+        assert got == expected, size
+    assert key_texts([]) == []
+
+
+def test_key_map_covers_the_bmp():
+    """Every BMP character alone, and after a letter and before a combining mark (where NFKC could
+    join it with a neighbour): the map's verdict holds or sends the text to ``key_text``."""
+    texts = [chr(cp) for cp in range(0x10000)]
+    texts += [f"A{chr(cp)}\u0301" for cp in range(0, 0x10000, 3)]
+    assert key_texts(texts) == [key_text(t) for t in texts]
+
+
+def _news(i: int, rng: random.Random) -> dict:
+    lead = f"第{i}条新闻的正文第一句写得很长很长。" + "这是第二句。" * rng.randrange(1, 4)
+    kind = rng.randrange(3)
+    desc = lead[:12] if kind == 0 else (f"完全不同的摘要内容{i}号，说的是另一件事。" if kind == 1 else "")
+    return {"news_id": f"n{i}", "title": f"标题{i}号新闻", "desc": desc, "source": "s", "content": lead}
+
+
+@pytest.mark.parametrize("flush", [1, 2, 3, 5, 16, 1 << 14])
+def test_batched_sibling_rule_matches_record_by_record(tmp_path: Path, monkeypatch, flush: int):
+    rng = random.Random(flush)
+    records = [_news(i, rng) for i in range(60)]
+    path = tmp_path / "news2016zh.json"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+
+    # the old rule, record by record: sibling verdicts and the batch cuts pass 1 made with them
+    rules = PairRules()
+    cleaner = passes.Cleaner()
+    expected_batches, batch, expected_dropped = [], 0, 0
+    for r in records:
+        found = extract.EXTRACTORS["news2016zh"](r, cleaner, rules, None)
+        for c in found:
+            if c.sibling is not None:
+                d, b = key_text(c.positive), key_text(c.sibling)
+                if c.sibling and (
+                    b.startswith(d) or too_easy(d, b, rules.easy_prefix_ratio, rules.easy_jaccard)
+                ):
+                    expected_dropped += 1
+                    continue
+            batch += 1
+        if batch >= flush:
+            expected_batches.append(batch)
+            batch = 0
+    if batch:
+        expected_batches.append(batch)
+    assert 0 < expected_dropped < 60
+
+    seen: list[int] = []
+    original = passes._filter_and_add
+    monkeypatch.setattr(passes, "FLUSH_PAIRS", flush)
+    monkeypatch.setattr(
+        passes,
+        "_filter_and_add",
+        lambda source, candidates, *a: (seen.append(len(candidates)), original(source, candidates, *a)),
+    )
+    out = tmp_path / "out"
+    assert run(Config(inputs=[path], out=out, progress=False)) == 0
+    assert seen == expected_batches
+    counts = read_manifest(out)["counts"]
+    assert counts["dropped"]["sibling_duplicate"] == expected_dropped
+    assert counts["pairs_extracted"] == sum(1 + bool(r["desc"]) for r in records)
+    kinds = [
+        row["kind"]
+        for e in read_manifest(out)["shards"]
+        for b in read_shard(out / e["name"])
+        for row in b.to_pylist()
+    ]
+    assert kinds.count("title-desc") == sum(bool(r["desc"]) for r in records) - expected_dropped
