@@ -30,6 +30,9 @@ runs/sample/ from launch/run_sample.sh first)::
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pairs_study.py run --steps 100 \
         --arms pairs,distill_corpus,distill_pairs_onesource,distill_pairs_w001 --seeds 0
     .venv/bin/python benchmarks/pairs_study.py score && .venv/bin/python benchmarks/pairs_study.py report
+
+The ``luse_pairs`` arm (distillation + luse on the pairs, weight 0.01) was added after that report and
+has not run yet: ``run --arms distill_pairtexts,luse_pairs --seeds 0,1,2`` compares it with the control.
 """
 
 from __future__ import annotations
@@ -168,6 +171,19 @@ def arm_args(arm: str, seed: int, steps: int) -> list[str]:
         "distill_pairs": [*mixed, both],
         "distill_pairs_w001": [*mixed, both.replace("weight: 0.1}", "weight: 0.01}")],
         "distill_pairs_onesource": [f"--data.shards={pairs}", "--data.one_source_per_batch=true", both],
+        # LUSE's multi-positive loss on the pairs (docs/pairs.md, "LUSE on pairs") beside distillation, at
+        # distill_pairs_w001's weight: 0.1 of the pairs term cost 3.6 avg5 (3 seeds) and luse is an InfoNCE
+        # of the same scale (log of its candidates), so 0.01 compares the two contrastive terms at the
+        # weight the study supports. The recipe's dropout is 0: no dropout views (d = 0, the same 128
+        # encoded texts a step); a memory-bank queue (momentum 0: no key encoder's extra forward) of 4
+        # steps' anchors; same_text as the pairs term's default.
+        "luse_pairs": [
+            *mixed,
+            "--data.num_dropout_views=0",
+            "--loss=[{distill: {loss: cosine}}, {luse: "
+            "{temperature: 0.05, queue_size: 256, momentum: 0.0, false_negatives: {same_text: "
+            "true}}, weight: 0.01}]",
+        ],
     }
     extra = os.environ.get(f"ARM_{arm.upper()}")  # e.g. a sweep arm: a JSON list of overrides
     if arm not in arms and extra is None:

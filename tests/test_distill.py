@@ -173,8 +173,15 @@ def test_config_allows_one_view_only_without_the_contrastive_term(tmp_path):
         "data.num_dropout_views": 0,
         "model.pooling": "mean",
     }
+    # luse also trains on pair shards, where the partner is a positive: sentence shards refuse it in the plan
+    from _train_data import make_shards
+
+    from pipeline.shards import read_shard_set
+    from pipeline.train.plan import check_against_data
+
+    make_shards(tmp_path, [[40]])
     with pytest.raises(ConfigError, match="at least one positive"):
-        load_config(Config, None, base)
+        check_against_data(load_config(Config, None, base), read_shard_set(tmp_path), 1)
     alone = {"loss": [{"distill": {}}]}
     cfg = load_config(Config, None, {**base, **alone})
     assert cfg.num_views() == 1

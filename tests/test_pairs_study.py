@@ -29,6 +29,7 @@ ARMS = [
     "distill_pairs",
     "distill_pairs_onesource",
     "distill_pairs_w001",
+    "luse_pairs",
 ]
 
 
@@ -45,10 +46,20 @@ def test_each_arm_parses_to_the_training_config_it_names(study, arm, monkeypatch
         "distill_pairs": ["distill", "pairs"],
         "distill_pairs_onesource": ["distill", "pairs"],
         "distill_pairs_w001": ["distill", "pairs"],
+        "luse_pairs": ["distill", "luse"],
     }[arm]
     assert names == expected
     weights = [wt.weight for wt in cfg.terms().terms]
-    assert weights == {"distill_pairs": [1.0, 0.1], "distill_pairs_w001": [1.0, 0.01]}.get(arm, weights)
+    expected_weights = {
+        "distill_pairs": [1.0, 0.1],
+        "distill_pairs_w001": [1.0, 0.01],
+        "luse_pairs": [1.0, 0.01],
+    }
+    assert weights == expected_weights.get(arm, weights)
+    if arm == "luse_pairs":  # on pairs: no variants, no dropout views (the recipe's dropout is 0), a queue
+        luse = cfg.terms().terms[1].config
+        assert (cfg.data.num_variants, cfg.data.num_dropout_views, cfg.model.dropout) == (0, 0, 0.0)
+        assert (luse.queue_size, luse.momentum, luse.false_negatives.same_text) == (256, 0.0, True)
     # equal compute: 128 encoded texts a step in every arm (64 pairs, or 128 corpus sentences)
     assert cfg.train.global_batch_size == (128 if arm == "distill_corpus" else 64)
     assert cfg.data.one_source_per_batch == (arm == "distill_pairs_onesource")

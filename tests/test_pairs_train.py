@@ -189,7 +189,7 @@ def test_the_loss_and_the_shards_must_fit(pair_data, tmp_path):
     cfg = pair_config(tmp_path, sentences, [{"pairs": {}}])
     with pytest.raises(ConfigError, match="pair shards"):
         build_stream(cfg, read_shard_set(sentences), None, 0, 1)
-    cfg = pair_config(tmp_path, pair_data["taught"], [{"luse": {}}], **{"data.num_dropout_views": 1})
+    cfg = pair_config(tmp_path, pair_data["taught"], [{"luse_bce": {}}], **{"data.num_dropout_views": 1})
     with pytest.raises(ConfigError, match="holds pairs"):
         build_stream(cfg, read_shard_set(pair_data["taught"]), None, 0, 1)
 

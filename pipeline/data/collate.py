@@ -338,6 +338,9 @@ class PairShardCollator:
     ``batch["text_hashes"]`` and ``batch["positive_text_hashes"]`` (B,) int64 hash both sides
     (:func:`text_hashes`). With ``teacher`` the teacher stage's vectors of both sides: ``batch["teacher"]``
     and ``batch["teacher_positive"]`` (B, D) float32 (the distill term distils both).
+
+    With ``dropout_views`` d (luse on pairs) the anchors' tokens follow again d times, rows (2 + j) B + i
+    (``num_views`` 2 + d): dropout makes their encodings differ, as :class:`ViewCollator`'s dropout views.
     """
 
     def __init__(
@@ -347,20 +350,25 @@ class PairShardCollator:
         prefix: str = "",
         teacher: bool = False,
         hash_texts: bool = False,
+        dropout_views: int = 0,
     ):
         self.encode = FastEncoder(tokenizer, max_length, prefix)
-        self.teacher, self.hash_texts = teacher, hash_texts
+        self.teacher, self.hash_texts, self.d = teacher, hash_texts, dropout_views
         self.columns = ("id", "text", "positive", "group") + ("teacher", "teacher_positive") * teacher
 
     def __call__(self, rows: dict[str, list[Any]]) -> Batch:
         anchors, positives = rows["text"], rows["positive"]
         ids, mask = self.encode(list(anchors) + list(positives))  # (2B, L)
+        if self.d:  # dropout views: the anchors' tokens again
+            b = len(anchors)
+            ids = torch.cat([ids, ids[:b].repeat(self.d, 1)])  # ((2 + d) B, L)
+            mask = torch.cat([mask, mask[:b].repeat(self.d, 1)])
         out = {
             "ids": torch.tensor(np.asarray(rows["id"], dtype=np.uint64).view(np.int64)),
             "groups": torch.tensor(np.asarray(rows["group"], dtype=np.uint64).view(np.int64)),
             "input_ids": ids,
             "attention_mask": mask,
-            "num_views": 2,
+            "num_views": 2 + self.d,
         }
         if self.teacher:
             out["teacher"] = torch.from_numpy(np.stack(rows["teacher"]))  # (B, D) float32

@@ -1,8 +1,10 @@
 """Pair shards as training data (docs/pairs.md, "Training on pairs").
 
 :func:`pair_batches` decides, from the loss and the shard set's manifest, whether a run's batches are
-pairs (anchor, positive): with the ``pairs`` term, or with no main term (distillation alone) over pair
-shards, which then distils both sides.
+pairs (anchor, positive): with the ``pairs`` term, with ``luse`` (a sentence-shard term that declares
+``pair_views``: its views of a pair are the anchor, the positive and :func:`pair_dropout_views`
+re-encodings of the anchor), or with no main term (distillation alone) over pair shards, which then
+distils both sides.
 """
 
 from __future__ import annotations
@@ -33,12 +35,31 @@ def pair_batches(loss: Any, shard_set: ShardSet | None) -> bool:
             f"(stage {shard_set.stage}); point data.shards to the output of `pipeline pairs` (or of "
             "`pipeline teacher` over it)"
         )
-    if pairs and loss.main is not None and loss.data != "pair_shards":
+    if pairs and loss.main is not None and loss.data != "pair_shards" and loss.main.pair_views is None:
         raise ConfigError(
             f"{shard_set.directory} holds pairs (`pipeline pairs`); loss term {loss.main.name} reads "
-            "sentence shards: use the pairs term, or distill/kl alone (docs/pairs.md, 'Training on pairs')"
+            "sentence shards: use the pairs or luse term, or distill/kl alone (docs/pairs.md, 'Training on "
+            "pairs')"
         )
     return pairs
+
+
+def pair_dropout_views(loss: Any, data: Any) -> int:
+    """d: the dropout re-encodings of the anchor a batch of pair shards carries after (anchor, positive):
+    ``data.num_dropout_views`` for a main term with ``pair_views`` (luse), else 0. Pair shards cache no EDA
+    variants: such a term with ``data.num_variants`` > 0 is a ConfigError, as is an option of the term
+    that does not apply to pairs (the term's ``pair_views`` says)."""
+    main = loss.main
+    if main is None or main.pair_views is None:
+        return 0
+    if data.num_variants:
+        raise ConfigError(
+            f"data.num_variants={data.num_variants} but pair shards cache no EDA variants; {main.name} on "
+            "pairs reads the anchor, the positive and data.num_dropout_views re-encodings of the anchor: set "
+            "data.num_variants: 0"
+        )
+    config = next(t.config for t in loss.terms if t.term is main)
+    return main.pair_views(config, data.num_dropout_views) - 2
 
 
 # --------------------------------------------------------------------------------------------- sources

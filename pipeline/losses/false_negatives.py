@@ -16,6 +16,12 @@ over the (anchor, candidate) pairs that are not the anchor's positives:
   augmentations of the anchor's own sentence, whose teacher vector is the anchor's: the teacher's
   anchor-positive similarity is 1, so the rule drops candidates with teacher cosine > 1 - margin.
 
+On batches of pair shards (luse on pairs, docs/pairs.md "Training on pairs") :func:`pair_guide` builds the
+guide: the pair's ``group`` plays the sentence id (``same_id``: the other pairs of the anchor's record, and
+queued keys of its group, are never negatives), and ``same_text`` masks a candidate whose text hashes like
+either text of the anchor's pair, as the pairs term does. The views of one pair differ in text (the
+positive is not the anchor), so the guide carries each candidate view's own tags (``view_tags``).
+
 A masked candidate leaves the softmax (its logit becomes -inf; luse) or the mean (its pair weighs 0;
 luse_bce, whose denominator stays the number of pairs so that the per-rank losses still average to the
 global one). With no collision the masks are all False and the loss and its gradients are bit-identical
@@ -60,6 +66,9 @@ class Guide:
     teacher: torch.Tensor | None = None  # (B, D_t) teacher embeddings (the teacher_margin rule)
     queue_teacher: torch.Tensor | None = None  # (Q, D_t) teacher embeddings of the queued sentences
     teacher_margin: float | None = None
+    # (n, B, T) int64: per candidate view its own tags (pair batches: the positive's text is not the
+    # anchor's); None: every view carries its sentence's ``tags``.
+    view_tags: torch.Tensor | None = None
 
 
 def make_guide(
@@ -130,3 +139,53 @@ def sentence_mask(
         close = teacher_close(guide.teacher[anchor_sentence], teacher, guide.teacher_margin)
         mask = close if mask is None else mask | close
     return mask
+
+
+def pair_guide(
+    config: FalseNegativeConfig,
+    groups: torch.Tensor,
+    text_hashes: torch.Tensor | None,
+    positive_text_hashes: torch.Tensor | None,
+    num_views: int,
+    queue_groups: torch.Tensor | None = None,
+    queue_text_hashes: torch.Tensor | None = None,
+) -> Guide | None:
+    """The guide of a batch of B pairs whose views are (anchor, positive, num_views - 2 re-encodings of
+    the anchor); None when no rule is on. The queue holds anchors' keys with their groups and hashes.
+
+    ``same_id``: tag column ``group``, on every view. ``same_text``: two columns, the pair's anchor hash
+    and positive hash, against each candidate view's own text hash in both, so a candidate whose text
+    hashes like either side of the pair matches (tags compare column by column, :func:`same_tag`).
+    ``teacher_margin`` compares with the anchor's teacher vector as a positive's: not for pairs.
+    """
+    if config.teacher_margin is not None:
+        raise ValueError("false_negatives.teacher_margin: not on pair batches (a positive is not the anchor)")
+    if num_views < 2:
+        raise ValueError(f"a pair batch has at least 2 views (anchor, positive), got {num_views}")
+    g = groups.reshape(-1)
+    own: list[torch.Tensor] = []  # (B,) columns of the pairs' tags
+    per_view: list[list[torch.Tensor]] = [[] for _ in range(num_views)]  # each view's columns
+    queued: list[torch.Tensor | None] = []
+    if config.same_id:
+        own.append(g)
+        for columns in per_view:
+            columns.append(g)
+        queued.append(queue_groups)
+    if config.same_text:
+        if text_hashes is None or positive_text_hashes is None:
+            raise ValueError("false_negatives.same_text: the batch carries no text hashes of both sides")
+        a, p = text_hashes.reshape(-1), positive_text_hashes.reshape(-1)
+        own += [a, p]
+        for v, columns in enumerate(per_view):
+            columns += [p, p] if v == 1 else [a, a]  # the view's text, against both sides of the pair
+        queued += [queue_text_hashes, queue_text_hashes]  # queued keys are anchors
+    if not own:
+        return None
+    queue_tags = None
+    if all(q is not None for q in queued):
+        queue_tags = torch.stack([q.reshape(-1) for q in queued], dim=1)  # (Q, T)
+    return Guide(
+        tags=torch.stack(own, dim=1),  # (B, T)
+        queue_tags=queue_tags,
+        view_tags=torch.stack([torch.stack(c, dim=1) for c in per_view]),  # (n, B, T)
+    )

@@ -25,6 +25,16 @@ anchor's sentence id (a stale queued key of its own sentence, or its sentence ag
 batch), optionally its normalised-text hash, or that the teacher scores as close as a positive, leaves the
 softmax (logit -inf); the anchor's own positives never do. Hard negatives carry no ids and are not masked.
 
+Pair batches (pair shards, ``pipeline pairs``; docs/pairs.md "Training on pairs"): the views of pair i are
+its anchor (view 0), its positive (view 1) and ``data.num_dropout_views`` re-encodings of the anchor, so
+each anchor's target puts 1/(n-1) on its partner and its dropout views, and every other view of the global
+batch (the other pairs' anchors *and* positives) plus the queue (keys of earlier anchors) are candidates.
+The pair's ``group`` plays the sentence id of the false-negative rules (:func:`pair_guide`: with
+``same_id``, on by default, no pair of the anchor's group, in the batch or queued, is a negative), and
+``same_text`` masks a candidate whose text hashes like either side of the pair, as the pairs term does.
+``teacher_positive`` and ``teacher_margin`` take the teacher vector of the anchor's sentence for a
+positive's, which a pair's positive is not: refused on pair shards.
+
 Temperature ``tau`` divides the cosine similarities before the softmax. Small tau (0.05, as in
 SimCSE) sharpens the distribution so that the hardest negatives dominate the gradient; large tau
 spreads it over all negatives. The logits range over [-1/tau, 1/tau].
@@ -48,7 +58,13 @@ from pipeline.config import option
 from pipeline.distributed import all_gather_no_grad, all_gather_with_grad, rank
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.false_negatives import FalseNegativeConfig, Guide, make_guide, sentence_mask
+from pipeline.losses.false_negatives import (
+    FalseNegativeConfig,
+    Guide,
+    make_guide,
+    pair_guide,
+    sentence_mask,
+)
 from pipeline.losses.terms import HARD_NEGATIVES, QUEUE, TEACHER, VIEWS, Needs, StepOutput, Term
 
 
@@ -107,9 +123,10 @@ def compute_loss(
         world = candidates.shape[0] // (n_views * batch)
         tags_all = _gathered(guide.tags, gather)  # (W * B, T)
         teacher_all = _gathered(guide.teacher, gather)  # (W * B, D_t)
-        fn = sentence_mask(
-            guide, sentence, _per_view(tags_all, world, n_views), _per_view(teacher_all, world, n_views)
-        )
+        view_tags = _per_view(tags_all, world, n_views)  # (W * n * B, T)
+        if guide.view_tags is not None:  # each view its own tags (pair batches), in the candidates' order
+            view_tags = _gathered(guide.view_tags.reshape(n_views * batch, -1), gather)
+        fn = sentence_mask(guide, sentence, view_tags, _per_view(teacher_all, world, n_views))
         if fn is not None:
             column = torch.arange(candidates.shape[0], device=device)  # (W * n * B,)
             own_rank = (column >= offset) & (column < offset + n_views * batch)  # (W * n * B,)
@@ -201,7 +218,19 @@ class LuseConfig:
 
 
 def guide_of(c: FalseNegativeConfig, out: StepOutput) -> Guide | None:
-    """The false-negative guide of a step: the originals' and the queue's ids, text hashes, teacher."""
+    """The false-negative guide of a step: the originals' and the queue's ids, text hashes, teacher; on a
+    batch of pair shards the pairs' groups and both sides' hashes (:func:`pair_guide`)."""
+    if out.groups is not None:  # pair shards: the queue keeps the anchors' groups as their ids
+        queued = out.queue is not None
+        return pair_guide(
+            c,
+            out.groups,
+            out.text_hashes,
+            out.positive_text_hashes,
+            out.views.shape[0],
+            out.queue_ids if queued else None,
+            out.queue_text_hashes if queued else None,
+        )
     return make_guide(
         c,
         out.ids,
@@ -214,6 +243,8 @@ def guide_of(c: FalseNegativeConfig, out: StepOutput) -> Guide | None:
 
 
 def _term_loss(c: LuseConfig, out: StepOutput) -> torch.Tensor:
+    if out.groups is not None and c.teacher_positive:
+        raise ValueError("luse.teacher_positive: not on pair batches (the positive is not the anchor)")
     return compute_loss(
         out.views,
         c.temperature,
@@ -232,6 +263,17 @@ def _reads(c: Any) -> frozenset[str]:
     return frozenset({VIEWS, HARD_NEGATIVES, QUEUE} | ({TEACHER} if teacher else set()))
 
 
+def _pair_views(c: LuseConfig, num_dropout_views: int) -> int:
+    """Views of a pair on pair shards: anchor, positive, the anchor's dropout re-encodings."""
+    if c.teacher_positive or c.false_negatives.teacher_margin is not None:
+        raise ConfigError(
+            "luse.teacher_positive and luse.false_negatives.teacher_margin take the teacher's vector of the "
+            "anchor for a positive's, and a pair's positive is another text: unset them on pair shards "
+            "(docs/pairs.md, 'Training on pairs')"
+        )
+    return 2 + num_dropout_views
+
+
 TERM = Term(
     name="luse",
     summary="multi-positive listwise over original + EDA variants + dropout views, queue (shards)",
@@ -242,6 +284,7 @@ TERM = Term(
     data="shards",
     num_views=lambda k, d: 1 + k + d,  # original, EDA variants, dropout views
     uses_variants=True,
+    pair_views=_pair_views,  # also trains on pair shards (the partner is one more positive)
     projects=lambda c: c.teacher_positive,
     needs=lambda c: Needs(
         queue_size=c.queue_size,

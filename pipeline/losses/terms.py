@@ -116,6 +116,10 @@ class Term:
     data: str | None = None  # a main term's: "shards", "pair_shards", "pairs", "triples"; None: the originals
     num_views: Callable[[int, int], int] | None = None  # a main term: (k variants, d dropout views) -> n
     uses_variants: bool = False  # its views are the original, the k cached variants, d dropout views
+    # A sentence-shard main term that also trains on pair shards (luse): (its config, d dropout views) ->
+    # views per pair (anchor, positive, d re-encodings of the anchor); a ConfigError for an option that
+    # does not apply to pairs. None: refused on pair shards (pipeline/data/sources.py).
+    pair_views: Callable[[Any, int], int] | None = None
     label_dtype: torch.dtype | None = None  # labels of a supervised file (None: no label column)
     make_head: Callable[[Any, int], nn.Module] | None = None  # (its config, dim): a head of its own
     projects: Callable[[Any], bool] = lambda config: False  # compares student and teacher vectors

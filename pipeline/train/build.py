@@ -410,7 +410,9 @@ def build_stream(
     if plan.pairs:  # pair shards: anchors then positives (docs/pairs.md)
         blocks = shard_blocks(plan.shard_set, d.verify_shards, rank)
         # with teacher_positive: distill reads both
-        collate = PairShardCollator(tokenizer, d.max_length, prefix, plan.teacher, plan.text_hashes)
+        collate = PairShardCollator(
+            tokenizer, d.max_length, prefix, plan.teacher, plan.text_hashes, plan.num_dropout_views
+        )  # luse on pairs: d dropout re-encodings of the anchors
         source: Any = ShardSource(blocks, collate.columns)
         order = pair_order(d, plan.shard_set, blocks)
     elif plan.shard_set is not None:

@@ -383,9 +383,9 @@ class Config:
             raise ConfigError(
                 f"loss term {loss.main.name} needs --data.supervised_file (a TSV/JSONL pair/triple file)"
             )
-        one_view = (
+        one_view = (  # a term that also reads pair shards (luse): the plan checks it against the data
             loss.main is not None and loss.main.uses_variants and d.num_variants + d.num_dropout_views < 1
-        )
+        ) and loss.main.pair_views is None
         if one_view and not loss.needs.teacher_positive:
             raise ConfigError(
                 f"{loss.main.name} needs at least one positive: set data.num_variants or num_dropout_views "

@@ -124,7 +124,8 @@ def enqueue_keys(
     else:
         keys = rows[:b].detach()  # momentum 0: a memory bank of the online view-0 embeddings
     # (B, H) per rank -> (W * B, H) on every rank, with each key's sentence id and text hash (B,)
-    t.queue.enqueue_gathered(keys, mb.ids, mb.text_hashes, apply)
+    ids = mb.ids if mb.groups is None else mb.groups  # pair shards: luse's rules compare the groups
+    t.queue.enqueue_gathered(keys, ids, mb.text_hashes, apply)
     if t.teacher_queue is not None:
         teacher = mb.teacher.to(keys.device)  # (B, D_t) -> (W * B, D_t) in the queue
         t.teacher_queue.enqueue_gathered(teacher, apply=apply)

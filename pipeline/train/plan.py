@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pipeline.data.sources import pair_batches, refuse_pair_options
+from pipeline.data.sources import pair_batches, pair_dropout_views, refuse_pair_options
 from pipeline.data.token_ids import ids_usable
 from pipeline.errors import ConfigError
 from pipeline.losses import Loss
@@ -78,17 +78,24 @@ def check_against_data(
     if shard_set is None:
         refuse_pair_options(d, False)
         return DataPlan(source=loss.data)
-    variants = loss.main is not None and loss.main.uses_variants
+    pairs = pair_batches(loss, shard_set)  # pair shards vs the loss (pipeline/data/sources.py)
+    variants = loss.main is not None and loss.main.uses_variants and not pairs  # pairs: no variants
     if variants and d.num_variants > shard_set.num_variants:
         raise ConfigError(
             f"data.num_variants={d.num_variants} but the shards in {d.shards} cache "
             f"{shard_set.num_variants} variants per sentence; set --data.num_variants <= "
             f"{shard_set.num_variants} or re-run augment with more variants"
         )
-    pairs = pair_batches(loss, shard_set)  # pair shards vs the loss (pipeline/data/sources.py)
     refuse_pair_options(d, pairs)  # data.one_source_per_batch and pair_max_rank need pair shards
     teacher, teacher_dim = resolve_teacher(d, loss, shard_set)
-    k, views = (0, 0) if pairs else loss.shard_views(d.num_variants, d.num_dropout_views)
+    if variants and d.num_variants + d.num_dropout_views < 1 and not loss.needs.teacher_positive:
+        raise ConfigError(  # on pair shards the partner is a positive (config.py checks the other terms)
+            f"{loss.main.name} needs at least one positive: set data.num_variants or num_dropout_views "
+            ">= 1 (or luse.teacher_positive), or train on pair shards (docs/pairs.md)"
+        )
+    k, views = loss.shard_views(d.num_variants, d.num_dropout_views)
+    if pairs:  # (anchor, positive) and, with luse, d dropout re-encodings of the anchor
+        k, views = 0, pair_dropout_views(loss, d)
     return DataPlan(
         source=loss.data,
         shard_set=shard_set,
