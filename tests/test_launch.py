@@ -74,7 +74,7 @@ def test_config_mistakes_fail_before_training_with_one_line(tmp_path, shards, ca
 def test_world_size_check(shards):
     from pipeline.errors import ConfigError
     from pipeline.shards import read_shard_set
-    from pipeline.train.config import check_against_data
+    from pipeline.train.plan import check_against_data
 
     cfg = load_config(Config, DEBUG, {"data.shards": str(shards)})
     check_against_data(cfg, read_shard_set(shards), 2)

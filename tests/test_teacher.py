@@ -390,7 +390,7 @@ def test_one_record_of_a_shard_set(taught, shards, tmp_path):
     with pytest.raises(ConfigError, match="is not a directory"):
         read_shard_set(tmp_path / "none")
     # every check that needs the data, in one call: too many variants, a teacher the set does not hold
-    from pipeline.train.config import check_against_data
+    from pipeline.train.plan import check_against_data
 
     with pytest.raises(ConfigError, match="num_variants=4 but the shards in"):
         check_against_data(debug_config(tmp_path, taught, **{"data.num_variants": 4}), info, 1)

@@ -8,7 +8,6 @@ model and optimizer handed to Accelerate (DDP / DeepSpeed wrap them).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -26,10 +25,10 @@ from pipeline.config import from_dict, to_dict
 from pipeline.data.collate import MLMCollator, PairCollator, PairShardCollator, ViewCollator
 from pipeline.data.sources import pair_order
 from pipeline.data.stream import BatchStream, MemorySource, ShardSource, index_shards
-from pipeline.devices import CudaProbe, bind_local_device, probe_cuda, resolve_device
+from pipeline.devices import bind_local_device, probe_cuda
 from pipeline.errors import ConfigError, InputError, PipelineError
 from pipeline.evaluate.sts import PairSet, read_pair_file
-from pipeline.losses import Loss
+from pipeline.losses import Loss, Needs
 from pipeline.losses.legacy import split_objective
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
 from pipeline.model.encoder import load_tokenizer as load_model_tokenizer
@@ -39,12 +38,12 @@ from pipeline.model.vocab import SCRATCH_SMALL, read_model_config, unk_rate, wri
 from pipeline.resources import EVAL_DIR
 from pipeline.shards import ShardSet, read_shard, read_shard_set, shard_paths
 from pipeline.train.checkpoint import Checkpointer, check_compatible
-from pipeline.train.config import Config, resolve_path
+from pipeline.train.config import Config
 from pipeline.train.metrics import MetricsLogger
 from pipeline.train.plan import DataPlan, check_against_data
 from pipeline.train.schedule import LRSchedule
 from pipeline.train.signals import PreemptionHandler
-from pipeline.train.speed import apply_tf32, loader_workers, resolve_precision
+from pipeline.train.speed import DeviceSetup, loader_workers, resolve_setup
 
 log = logging.getLogger(__name__)
 TOKENIZER_DIR = "tokenizer"
@@ -77,6 +76,7 @@ class Trainer:
     """Every piece of a run, built once by :func:`build` (keyword arguments only)."""
 
     cfg: Config
+    run_config: dict[str, Any]  # cfg resolved, as config.yaml and every checkpoint record it
     accelerator: Any
     module: TrainModule  # unwrapped
     model: nn.Module  # what Accelerate returned (DDP / DeepSpeed engine / the module itself)
@@ -101,7 +101,7 @@ class Trainer:
     def states(self) -> dict[str, Any]:
         """Everything identical on all ranks that a restart needs, for the checkpointer."""
         out: dict[str, Any] = {"train_state": self.state, "data": self.stream, "schedule": self.schedule}
-        if not self.cfg.train.deepspeed_config:
+        if not self.cfg.train.deepspeed_config:  # else the engine saves it (ZeRO-partitioned)
             out["optimizer"] = self.optimizer
         if self.accelerator.scaler is not None:
             out["grad_scaler"] = self.accelerator.scaler
@@ -135,66 +135,50 @@ class Trainer:
 
 
 # ------------------------------------------------------------------------------------------ pieces
-def build_accelerator(cfg: Config) -> Any:
+def build_accelerator(cfg: Config) -> tuple[Any, DeviceSetup]:
     """The process group and the device, checked first: a run that asked for GPUs and has none fails
-    here, in seconds, before anything is built (pipeline/devices.py says why and what to do)."""
+    here, in seconds, before anything is built (pipeline/devices.py says why and what to do). Returns
+    the accelerator and the :class:`~pipeline.train.speed.DeviceSetup` it was made with."""
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.utils import InitProcessGroupKwargs
 
     from pipeline.train.hangs import init_process_group
 
-    probe = probe_cuda()
-    device, why = resolve_device(cfg.train.device, probe)
-    cfg.train.mixed_precision = resolve_precision(cfg.train.mixed_precision, device)  # auto: bf16 on GPUs
-    apply_tf32(cfg.train.tf32, device)
-    cfg.optim.fused = cfg.optim.fused is True or (cfg.optim.fused == "auto" and device == "cuda")
-    no_gpu = device == "cpu"
+    setup = resolve_setup(cfg, probe_cuda())
+    no_gpu = setup.device == "cpu"
     if not no_gpu:
         torch.cuda.set_device(bind_local_device())  # one GPU per task: cuda:0 whatever the LOCAL_RANK
     # Accelerate drops DeepSpeed when told to use the CPU, so under DeepSpeed a GPU-less run keeps
     # cpu=False and gets the gloo backend explicitly (else Accelerate reports one process).
-    cpu = no_gpu and not cfg.train.deepspeed_config
-    if cfg.train.deepspeed_config and os.environ.pop("ACCELERATE_USE_CPU", None):
+    cpu = no_gpu and setup.deepspeed is None
+    if setup.deepspeed is not None and os.environ.pop("ACCELERATE_USE_CPU", None):
         log.info("DeepSpeed: ignoring ACCELERATE_USE_CPU (DeepSpeed runs on CPU over gloo by itself)")
     backend = "gloo" if no_gpu else "nccl"
     # Our own process group, with train.collective_timeout; Accelerate and DeepSpeed use it as it is.
-    init_process_group(backend, cfg.train.collective_timeout)
-    timeout = timedelta(seconds=cfg.train.collective_timeout)
+    timeout_s = cfg.train.collective_timeout
+    init_process_group(backend, timeout_s)
+    timeout = timedelta(seconds=timeout_s)
     kwargs: dict[str, Any] = {}
     if no_gpu and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo", timeout=timeout)]
     elif not no_gpu:
         kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="nccl", timeout=timeout)]
-    ds: dict[str, Any] | None = None
-    if cfg.train.deepspeed_config:
-        path = resolve_path(cfg.train.deepspeed_config)
-        if not path.is_file():
-            raise ConfigError(f"train.deepspeed_config: {path} does not exist (see launch/deepspeed/)")
-        ds = json.loads(path.read_text(encoding="utf-8"))
-        ds["gradient_accumulation_steps"] = cfg.train.grad_accum_steps
-        ds["gradient_clipping"] = cfg.optim.grad_clip
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        ds["train_micro_batch_size_per_gpu"] = (
-            cfg.train.global_batch_size // world // cfg.train.grad_accum_steps
-        )
-        ds["train_batch_size"] = cfg.train.global_batch_size
-        if isinstance(ds.get("bf16"), dict) and cfg.guard.max_nonfinite_steps:
-            # The engine skips a bf16 step with non-finite gradients; the guard reads its verdict.
-            ds["bf16"].setdefault("check_grad_overflow", True)
-        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
+    if setup.deepspeed is not None:
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=setup.deepspeed)
     accelerator = Accelerator(
         cpu=cpu,
-        mixed_precision=cfg.train.mixed_precision,
+        mixed_precision=setup.mixed_precision,
         gradient_accumulation_steps=cfg.train.grad_accum_steps,
         **kwargs,
     )
     if accelerator.is_main_process:
-        log.info("%s", device_line(cfg, accelerator, probe, why, ds))
-    return accelerator
+        log.info("%s", device_line(accelerator, setup, timeout_s))
+    return accelerator, setup
 
 
-def device_line(cfg: Config, accelerator: Any, probe: CudaProbe, why: str, ds: dict[str, Any] | None) -> str:
+def device_line(accelerator: Any, setup: DeviceSetup, timeout_s: float) -> str:
     """The run's one start-up line: device, backend, world and nodes, precision, torch and driver."""
+    probe, ds = setup.probe, setup.deepspeed
     world = accelerator.num_processes
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
     nodes = -(-world // local) if local else int(os.environ.get("SLURM_JOB_NUM_NODES", "1") or 1)
@@ -207,8 +191,8 @@ def device_line(cfg: Config, accelerator: Any, probe: CudaProbe, why: str, ds: d
         tf32 = "on" if torch.backends.cuda.matmul.allow_tf32 else "off"
         where = f"device {d} ({name}, bf16 {bf16}, TF32 matmul {tf32})"
     else:
-        where = f"device {d} ({why})"
-    precision = cfg.train.mixed_precision if cfg.train.mixed_precision != "no" else "fp32"
+        where = f"device {d} ({setup.why})"
+    precision = setup.mixed_precision if setup.mixed_precision != "no" else "fp32"
     if ds is not None:
         enabled = [k for k in ("bf16", "fp16") if isinstance(ds.get(k), dict) and ds[k].get("enabled")]
         half = enabled[0] if enabled else None
@@ -223,13 +207,14 @@ def device_line(cfg: Config, accelerator: Any, probe: CudaProbe, why: str, ds: d
     return (
         f"start: {where}, backend {backend}, {world} process{'es' if world > 1 else ''} on {nodes} "
         f"node{'s' if nodes > 1 else ''}, precision {precision}, torch {torch.__version__} ({build}), "
-        f"{driver}, collective timeout {cfg.train.collective_timeout:g} s"
+        f"{driver}, collective timeout {timeout_s:g} s"
     )
 
 
 def training_texts(cfg: Config, limit: int) -> list[str]:
     """Sentences of the training data (never the evaluation sets), for the character vocabulary."""
-    if cfg.terms().unsupervised:
+    loss = cfg.terms()
+    if loss.unsupervised:
         texts: list[str] = []
         for path in shard_paths(cfg.data.shards):
             for table in read_shard(path):
@@ -237,7 +222,8 @@ def training_texts(cfg: Config, limit: int) -> list[str]:
                 if len(texts) >= limit:
                     return texts[:limit]
         return texts
-    return [t for r in read_records(cfg) for t in r[:-1] if isinstance(t, str)][:limit]
+    records = read_records(cfg.data.supervised_file, loss.data)
+    return [t for r in records for t in r[:-1] if isinstance(t, str)][:limit]
 
 
 def build_tokenizer(cfg: Config) -> Any:
@@ -245,9 +231,8 @@ def build_tokenizer(cfg: Config) -> Any:
     folder = cfg.run_dir / TOKENIZER_DIR
     if dist.is_main_process() and not (folder / "vocab.txt").is_file():
         m = cfg.model
-        vocab = build_char_vocab(
-            training_texts(cfg, m.vocab_max_sentences), m.vocab_min_count, m.vocab_max_size
-        )
+        texts = training_texts(cfg, m.vocab_max_sentences)
+        vocab = build_char_vocab(texts, m.vocab_min_count, m.vocab_max_size)
         folder.mkdir(parents=True, exist_ok=True)
         write_vocab(vocab, folder / "vocab.txt")
         make_tokenizer(folder / "vocab.txt").save_pretrained(folder)
@@ -305,7 +290,7 @@ def build_encoder(cfg: Config, tokenizer: Any = None) -> SentenceEncoder:
         if m.random_init:
             reinitialise(encoder.backbone, cfg.train.seed)
         return encoder
-    path = resolve_path(m.scratch_config) if m.scratch_config is not None else SCRATCH_SMALL
+    path = m.scratch_config if m.scratch_config is not None else SCRATCH_SMALL
     if not path.is_file():
         raise ConfigError(f"model.scratch_config: {path} does not exist; point it to a BertConfig JSON")
     dropout = (
@@ -364,12 +349,12 @@ def autocast_bf16_on_cpu(module: nn.Module) -> None:
     module.forward = autocast_forward
 
 
-def read_records(cfg: Config) -> list[tuple]:
-    """Supervised records as tuples (texts..., label) — label None for triples."""
+def read_records(path: Path, source: str) -> list[tuple]:
+    """The supervised file's records as tuples (texts..., label), label None for triples (``source``:
+    the loss's data, "pairs" or "triples")."""
     from pipeline.data.pairs import read_pairs, read_triples
 
-    path = resolve_path(cfg.data.supervised_file)
-    if cfg.terms().data == "triples":
+    if source == "triples":
         return [(t.anchor, t.positive, t.negative, None) for t in read_triples(path)]
     return [(p.text_a, p.text_b, p.label) for p in read_pairs(path)]
 
@@ -403,7 +388,7 @@ def build_stream(
     prefix, put before every text once. On ``device`` cuda the batches are pinned and
     ``data.num_workers: auto`` takes the CPUs per rank (pipeline/train/speed.py)."""
     d, t = cfg.data, cfg.train
-    loss = cfg.terms()
+    workers = loader_workers(d.num_workers, device)
     if not isinstance(plan, DataPlan):
         plan = check_against_data(cfg, plan, world, tokenizer, prefix)
     order: dict[str, Any] = {}  # pair shards: their batch order by source (pipeline/data/sources.py)
@@ -422,11 +407,11 @@ def build_stream(
             plan.num_hard_negatives, plan.token_ids, plan.text_hashes,
         )  # fmt: skip
         source = ShardSource(blocks, collate.columns)
-        if loss.needs.mlm_probability is not None:  # masks drawn in the loader workers, from the data cursor
-            collate = MLMCollator(collate, tokenizer, t.seed, loss.needs.mlm_probability)
+        if plan.mlm_probability is not None:  # masks drawn in the loader workers, from the data cursor
+            collate = MLMCollator(collate, tokenizer, t.seed, plan.mlm_probability)
     else:
-        records = read_records(cfg)
-        n_text, label_dtype = loss.num_views(0, 0), loss.main.label_dtype
+        records = read_records(d.supervised_file, plan.source)
+        n_text, label_dtype = plan.num_texts, plan.label_dtype
         columns = {f"text{i}": [r[i] for r in records] for i in range(n_text)}
         columns["index"] = list(range(len(records)))
         if label_dtype is not None:
@@ -435,30 +420,28 @@ def build_stream(
         collate = PairCollator(tokenizer, d.max_length, text_columns, label_dtype, prefix)
         source = MemorySource(columns, text_columns)
     window = d.bucket_window if d.length_bucketing else 0
-    workers = loader_workers(d.num_workers, device)
     return BatchStream(
         source, collate, t.global_batch_size, rank, world, t.seed, workers, d.prefetch_factor, window,
         pin_memory=device == "cuda", **order,
     )  # fmt: skip
 
 
-def build_queue(cfg: Config, encoder: SentenceEncoder) -> tuple[nn.Module | None, nn.Module | None]:
+def build_queue(needs: Needs, encoder: SentenceEncoder) -> tuple[nn.Module | None, nn.Module | None]:
     """The negative queue and its momentum encoder, when a term declares one (``Loss.needs``)."""
     from pipeline.train.queue import MomentumEncoder, NegativeQueue, needs_forward
 
-    needs = cfg.terms().needs
     if not needs.queue_size:
         return None, None
     queue = NegativeQueue(needs.queue_size, encoder.dim)
     return queue, (MomentumEncoder(encoder) if needs_forward(needs.momentum) else None)
 
 
-def build_teacher_queue(cfg: Config, queue: nn.Module | None, teacher_dim: int | None) -> nn.Module | None:
+def build_teacher_queue(needs: Needs, queue: nn.Module | None, teacher_dim: int | None) -> nn.Module | None:
     """When a term declares one (kl) beside a queue: the teacher embeddings of the queued sentences,
     ``teacher_dim`` wide (the data plan's, from the manifest)."""
     from pipeline.train.queue import NegativeQueue
 
-    if queue is None or not cfg.terms().needs.teacher_queue:
+    if queue is None or not needs.teacher_queue:
         return None
     return NegativeQueue(queue.size, teacher_dim or queue.dim)
 
@@ -477,29 +460,31 @@ def read_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
     return to_dict(from_dict(Config, saved)) if legacy else rest
 
 
-def resume(cfg: Config, trainer: Trainer) -> None:
+def resume(trainer: Trainer) -> None:
     """Load the newest valid checkpoint (``resume: auto``) or a given one, after ``prepare``.
 
     After ``prepare`` because a DeepSpeed engine loads its own (ZeRO-partitioned) state; under DDP the
     wrapped and unwrapped module share their parameters, so loading into the unwrapped one suffices.
     """
-    if trainer.checkpointer is None or cfg.resume == "never":
+    wanted = trainer.cfg.resume
+    if trainer.checkpointer is None or wanted == "never":
         return
-    path = trainer.checkpointer.latest() if cfg.resume == "auto" else Path(cfg.resume)
+    path = trainer.checkpointer.latest() if wanted == "auto" else Path(wanted)
     if path is None:
         return
-    check_compatible(read_saved_config(trainer.checkpointer.saved_config(path)), to_dict(cfg))
+    check_compatible(read_saved_config(trainer.checkpointer.saved_config(path)), trainer.run_config)
     trainer.checkpointer.load(path, trainer.encoder, trainer.states(), trainer.rank_states())
     log.info(
         "resumed from %s at step %d (%d samples seen)", path, trainer.state.step, trainer.state.samples_seen
     )
 
 
-def write_run_config(cfg: Config) -> None:
+def write_run_config(run_dir: Path, run_config: dict[str, Any]) -> None:
+    """RUN_DIR/config.yaml: the resolved config (rank 0)."""
     if dist.is_main_process():
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        text = yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
-        (cfg.run_dir / "config.yaml").write_text(text, encoding="utf-8")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        text = yaml.safe_dump(run_config, sort_keys=False, allow_unicode=True)
+        (run_dir / "config.yaml").write_text(text, encoding="utf-8")
 
 
 # ------------------------------------------------------------------------------------------ build
@@ -509,13 +494,16 @@ def build(cfg: Config) -> Trainer:
     from pipeline.train.determinism import enable_determinism  # before CUDA is initialised
 
     enable_determinism(cfg.train.deterministic)
-    accelerator = build_accelerator(cfg)
+    accelerator, setup = build_accelerator(cfg)
+    # config.yaml, the checkpoints and the loop see the resolved precision and fused AdamW
+    cfg.train.mixed_precision, cfg.optim.fused = setup.mixed_precision, setup.fused
+    run_config = to_dict(cfg)  # the resolved config, once: config.yaml and every checkpoint record it
     world, rank = accelerator.num_processes, accelerator.process_index
     loss = cfg.terms()
     shard_set = read_shard_set(cfg.data.shards) if loss.unsupervised else None  # the manifest, once
     tokenizer, prefix = load_tokenizer(cfg)  # before the weights: the data checks need it
     plan = check_against_data(cfg, shard_set, world, tokenizer, prefix)  # every check of the data
-    write_run_config(cfg)
+    write_run_config(cfg.run_dir, run_config)
     dist.barrier()
     started = time.perf_counter()  # the batches (index checks, a supervised file read) before any model
     stream = build_stream(cfg, plan, tokenizer, rank, world, prefix, accelerator.device.type)
@@ -539,17 +527,18 @@ def build(cfg: Config) -> Trainer:
         report_unk_rate(encoder, metrics)
     total = cfg.train.max_steps or cfg.train.epochs * stream.batches_per_epoch
     optimizer = build_optimizer(cfg, module)
-    queue, momentum = build_queue(cfg, encoder)
-    teacher_queue = build_teacher_queue(cfg, queue, plan.teacher_dim)
+    queue, momentum = build_queue(loss.needs, encoder)
+    teacher_queue = build_teacher_queue(loss.needs, queue, plan.teacher_dim)
     for m in (queue, momentum, teacher_queue):
         if m is not None:
             m.to(accelerator.device)
-    if cfg.train.mixed_precision == "bf16" and accelerator.device.type == "cpu":
+    precision = setup.mixed_precision
+    if precision == "bf16" and accelerator.device.type == "cpu":
         for m in (module, momentum.encoder if momentum is not None else None):
             if m is not None:
                 autocast_bf16_on_cpu(m)
-    if momentum is not None and accelerator.device.type == "cuda" and cfg.train.mixed_precision != "no":
-        momentum.autocast = torch.bfloat16 if cfg.train.mixed_precision == "bf16" else torch.float16
+    if momentum is not None and accelerator.device.type == "cuda" and precision != "no":
+        momentum.autocast = torch.bfloat16 if precision == "bf16" else torch.float16
     log.info(
         "data: %d samples in %d blocks, %d global batches of %d per epoch, %d dropped per epoch; %d steps "
         "in all (planned in %.2f s)",
@@ -569,6 +558,7 @@ def build(cfg: Config) -> Trainer:
         sts_valid = read_pair_file(EVAL_DIR / "STS-B.valid.tsv").first(cfg.train.eval_max_pairs)
     trainer = Trainer(
         cfg=cfg,
+        run_config=run_config,
         accelerator=accelerator,
         module=module,
         model=model,
@@ -586,5 +576,5 @@ def build(cfg: Config) -> Trainer:
         preemption=PreemptionHandler().install(),
         sts_valid=sts_valid,
     )
-    resume(cfg, trainer)
+    resume(trainer)
     return trainer

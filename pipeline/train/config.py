@@ -20,7 +20,6 @@ from pipeline.errors import ConfigError
 from pipeline.losses import DEFAULT_LOSS, TERMS, Loss, build_loss
 from pipeline.losses.legacy import LegacyObjective, convert_objective
 from pipeline.losses.terms import HARD_NEGATIVES, MLM_LOGITS, TEACHER, as_entries
-from pipeline.train.plan import DataPlan, check_against_data  # noqa: F401 (its callers import it here)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger(__name__)
@@ -30,7 +29,9 @@ def resolve_path(path: Path) -> Path:
     """A relative path as given if it exists from the working directory, else from the project root.
 
     Shipped configs name files such as ``launch/deepspeed/zero2.json`` relative to the repository,
-    so they work from any working directory.
+    so they work from any working directory. The config's file fields (``data.supervised_file``,
+    ``model.scratch_config``, ``train.deepspeed_config``) are resolved once, when their section is made:
+    the code that opens them, and config.yaml, see the file that is read.
     """
     if path.is_absolute() or path.exists():
         return path
@@ -98,6 +99,8 @@ class DataConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.supervised_file is not None:
+            self.supervised_file = resolve_path(self.supervised_file)
         if self.source_alpha < 0 or self.pair_max_rank < 0:
             raise ConfigError("data.source_alpha and data.pair_max_rank must be >= 0")
         if self.num_variants < 0:
@@ -170,6 +173,8 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.scratch_config is not None:
+            self.scratch_config = resolve_path(self.scratch_config)
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.layers is not None and (not self.layers or sorted(set(self.layers)) != self.layers):
@@ -319,6 +324,8 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.deepspeed_config is not None:
+            self.deepspeed_config = resolve_path(self.deepspeed_config)
         if self.global_batch_size < 2:
             raise ConfigError("train.global_batch_size must be >= 2 (in-batch negatives need two sentences)")
         if self.grad_accum_steps < 1:

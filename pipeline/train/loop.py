@@ -27,7 +27,6 @@ import torch
 
 from pipeline import distributed as dist
 from pipeline import progress
-from pipeline.config import to_dict
 from pipeline.data.collate import Batch
 from pipeline.errors import ConfigError
 from pipeline.evaluate.sts import score_pairs
@@ -446,7 +445,7 @@ def save_checkpoint(t: Trainer, is_best: bool = False) -> None:
         t.encoder,
         t.states(),
         t.rank_states(),
-        to_dict(t.cfg),
+        t.run_config,
         is_best=is_best,
         metrics={"best_metric": t.state.best_metric},
         samples_seen=t.state.samples_seen,

@@ -48,6 +48,10 @@ class DataPlan:
     # Pair shards (``pipeline pairs``, docs/pairs.md): batches of (anchor, positive) with the columns
     # ``positive``, ``group``, ``source`` and, after the teacher stage, ``teacher_positive``.
     pairs: bool = False
+    mlm_probability: float | None = None  # sentence shards: masked tokens drawn per batch (the mlm term)
+    # A supervised file (source "pairs" or "triples"): its texts per record and its labels' dtype.
+    num_texts: int = 0
+    label_dtype: Any = None  # torch.dtype of the label column; None: the batches carry no labels
 
     @property
     def num_views(self) -> int:
@@ -77,7 +81,8 @@ def check_against_data(
         validate_queue_size(loss.needs.queue_size, per_rank // accum)
     if shard_set is None:
         refuse_pair_options(d, False)
-        return DataPlan(source=loss.data)
+        labels = loss.main.label_dtype if loss.main is not None else None  # the supervised file's term
+        return DataPlan(source=loss.data, num_texts=loss.num_views(0, 0), label_dtype=labels)
     pairs = pair_batches(loss, shard_set)  # pair shards vs the loss (pipeline/data/sources.py)
     variants = loss.main is not None and loss.main.uses_variants and not pairs  # pairs: no variants
     if variants and d.num_variants > shard_set.num_variants:
@@ -107,6 +112,7 @@ def check_against_data(
         text_hashes=loss.needs.text_hashes,  # they cost the loader workers and a gather per step
         num_hard_negatives=d.num_hard_negatives,
         pairs=pairs,
+        mlm_probability=loss.needs.mlm_probability,
     )
 
 

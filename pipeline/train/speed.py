@@ -1,21 +1,79 @@
-"""Speed settings resolved at start from the device: precision, TF32, loader workers, pinned memory.
+"""Speed settings resolved at start from the device: precision, TF32, fused AdamW, DeepSpeed, loader
+workers, pinned memory.
 
-Each applies only where it helps and leaves CPU runs as they were: ``mixed_precision: auto`` is bf16 on a
-CUDA GPU that has it and fp32 on CPU; TF32 is a CUDA switch; ``data.num_workers: auto`` takes the CPUs
-per rank on CUDA and today's 2 on CPU; batches are pinned only for a CUDA device.
+:func:`resolve_setup` resolves them once, with the device, into one :class:`DeviceSetup` that
+``build`` hands on (the accelerator, the optimizer, the batches, the start-up line). Each applies only
+where it helps and leaves CPU runs as they were: ``mixed_precision: auto`` is bf16 on a CUDA GPU that
+has it and fp32 on CPU; TF32 is a CUDA switch; ``optim.fused: auto`` is fused on CUDA only;
+``data.num_workers: auto`` takes the CPUs per rank on CUDA and today's 2 on CPU; batches are pinned
+only for a CUDA device.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from pipeline.devices import CudaProbe, resolve_device
+from pipeline.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pipeline.train.config import Config
 
 log = logging.getLogger(__name__)
 
 CPU_WORKERS = 2  # data.num_workers: auto on CPU, the field's default before auto existed
 MAX_WORKERS = 8  # beyond this a rank's tokenising outruns any step here (docs/BENCHMARKS.md, loader)
+
+
+@dataclass(frozen=True)
+class DeviceSetup:
+    """Where this rank trains and the speed settings resolved for it, once (:func:`resolve_setup`)."""
+
+    device: str  # "cuda" or "cpu"
+    why: str  # why that device (pipeline/devices.py), for the start-up line
+    probe: CudaProbe  # what the process saw of the GPUs
+    mixed_precision: str  # train.mixed_precision as Accelerate takes it: "no", "fp16" or "bf16"
+    fused: bool  # optim.fused, auto resolved
+    deepspeed: dict[str, Any] | None = None  # train.deepspeed_config as the engine takes it
+
+
+def resolve_setup(cfg: Config, probe: CudaProbe) -> DeviceSetup:
+    """The device for ``train.device`` (or a DeviceError that says why there is none) and what follows
+    from it; TF32 is switched here, before anything runs on the device."""
+    device, why = resolve_device(cfg.train.device, probe)
+    apply_tf32(cfg.train.tf32, device)
+    return DeviceSetup(
+        device=device,
+        why=why,
+        probe=probe,
+        mixed_precision=resolve_precision(cfg.train.mixed_precision, device),  # auto: bf16 on GPUs
+        fused=cfg.optim.fused is True or (cfg.optim.fused == "auto" and device == "cuda"),
+        deepspeed=deepspeed_settings(cfg) if cfg.train.deepspeed_config else None,
+    )
+
+
+def deepspeed_settings(cfg: Config) -> dict[str, Any]:
+    """``train.deepspeed_config`` with the run's batch sizes, accumulation and clipping filled in."""
+    path = cfg.train.deepspeed_config
+    if not path.is_file():
+        raise ConfigError(f"train.deepspeed_config: {path} does not exist (see launch/deepspeed/)")
+    ds = json.loads(path.read_text(encoding="utf-8"))
+    t = cfg.train
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ds["gradient_accumulation_steps"] = t.grad_accum_steps
+    ds["gradient_clipping"] = cfg.optim.grad_clip
+    ds["train_micro_batch_size_per_gpu"] = t.global_batch_size // world // t.grad_accum_steps
+    ds["train_batch_size"] = t.global_batch_size
+    if isinstance(ds.get("bf16"), dict) and cfg.guard.max_nonfinite_steps:
+        # The engine skips a bf16 step with non-finite gradients; the guard reads its verdict.
+        ds["bf16"].setdefault("check_grad_overflow", True)
+    return ds
 
 
 def resolve_precision(setting: str, device: str) -> str:
