@@ -286,6 +286,18 @@ def test_tiny_train_distill_plus_luse_on_pairs_resumes_exactly(pair_data, tmp_pa
     assert resumed["step"] == 4 and resumed["cursor"] == full["cursor"]
     assert resumed["queue_checksum"] == full["queue_checksum"] is not None
     assert resumed["param_checksum"] == full["param_checksum"]
+    # the queue keeps the anchors' groups as their ids (what the group rule compares), not the pair ids
+    from pipeline.shards import read_manifest, read_shard
+
+    groups, pair_ids = set(), set()
+    for entry in read_manifest(pair_data["taught"])["shards"]:
+        for block in read_shard(pair_data["taught"] / entry["name"]):
+            groups.update(np.asarray(block.column("group").to_pylist(), np.uint64).view(np.int64).tolist())
+            pair_ids.update(np.asarray(block.column("id").to_pylist(), np.uint64).view(np.int64).tolist())
+    latest = (tmp_path / "full" / "checkpoints" / "latest").read_text().strip()
+    queue = torch.load(tmp_path / "full" / "checkpoints" / latest / "state.pt", weights_only=True)["queue"]
+    queued = queue["ids"].tolist()
+    assert len(queued) == 32 and set(queued) <= groups and not set(queued) & (pair_ids - groups)
     split = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in split if "loss" in r][-2:] == [r["loss"] for r in records if "loss" in r][-2:]
 
