@@ -1,6 +1,7 @@
 """The pairs stage's fast paths give what the plain ones give: ``key_texts`` is ``key_text`` (hence
-``normalize_text``) text by text, and the batched sibling rule of news2016zh drops the same pairs and
-cuts pass 1 into the same batches as deciding it record by record."""
+``normalize_text``) text by text, the batched sibling rule of news2016zh drops the same pairs and
+cuts pass 1 into the same batches as deciding it record by record, and ``lead`` (split only as far
+as the budget reaches) returns what splitting every sentence first returned."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pipeline.shards import read_manifest, read_shard
 from pipeline.stages.pairs import extract, passes
 from pipeline.stages.pairs.extract import PairRules, key_text, key_texts, too_easy
 from pipeline.stages.pairs.run import Config, run
+from pipeline.stages.preprocess.text import _LEADING, ends_sentence, split_sentences
 
 EDGE = [
     "ＡＢＣ１２３！ 你好，世界。",
@@ -131,3 +133,39 @@ def test_batched_sibling_rule_matches_record_by_record(tmp_path: Path, monkeypat
         for row in b.to_pylist()
     ]
     assert kinds.count("title-desc") == sum(bool(r["desc"]) for r in records) - expected_dropped
+
+
+def _lead_one_split(cleaner, value: str, budget: int, first_paragraph=False, cut_tail=False):
+    """``extract.lead`` as it was, every sentence split first: the reference."""
+    limit = int(extract.RAW_SLACK * budget) + 64
+    raw_cut = len(value) > limit
+    value = value[:limit] if raw_cut else value
+    paragraphs = cleaner.paragraphs(value)
+    paragraphs = paragraphs[:1] if first_paragraph else paragraphs
+    sentences = [s for p in paragraphs for s in split_sentences(p)]
+    if (raw_cut or cut_tail) and len(sentences) > 1 and not ends_sentence(sentences[-1]):
+        sentences.pop()
+    out, total = [], 0
+    for sentence in sentences:
+        if out and total + len(sentence) > budget:
+            return "".join(out), True
+        out.append(sentence)
+        total += len(sentence)
+    return "".join(out), raw_cut
+
+
+def test_lead_splits_lazily_to_the_same_result():
+    rng = random.Random(3)
+    alphabet = "甲乙丙丁。！？；!?;…”’」』）)】》，、,：: \n\"'ab"
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 40))) for _ in range(4000)]
+    for path in sorted((RESOURCES / "corpus" / "pairs").glob("*.gz")):
+        texts += [v for line in gzip.open(path) for v in json.loads(line).values() if isinstance(v, str)]
+    cleaner = passes.Cleaner()
+    for text in texts:
+        # what the fast path relies on: the sentences join back into the paragraph less its lead
+        for paragraph in cleaner.paragraphs(text):
+            assert "".join(split_sentences(paragraph)) == paragraph.lstrip(_LEADING)
+        for budget in (3, 10, 30, 256):
+            for first, tail in ((False, False), (False, True), (True, False)):
+                expected = _lead_one_split(cleaner, text, budget, first, tail)
+                assert extract.lead(cleaner, text, budget, first, tail) == expected, (text, budget)

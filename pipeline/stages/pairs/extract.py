@@ -47,7 +47,13 @@ from typing import Any
 import numpy as np
 
 from pipeline.normalize import normalize_text
-from pipeline.stages.preprocess.text import Cleaner, ends_sentence, remove_whitespace, split_sentences
+from pipeline.stages.preprocess.text import (
+    _LEADING,
+    Cleaner,
+    ends_sentence,
+    remove_whitespace,
+    split_sentences,
+)
 
 KINDS = (
     "question-answer",
@@ -267,16 +273,27 @@ def lead(
     paragraphs = cleaner.paragraphs(value)
     if first_paragraph:
         paragraphs = paragraphs[:1]
-    sentences = [s for p in paragraphs for s in split_sentences(p)]
-    if (raw_cut or cut_tail) and len(sentences) > 1 and not ends_sentence(sentences[-1]):
-        sentences.pop()  # cut by us (or by the corpus) mid-sentence
+    cut = raw_cut or cut_tail  # then an unterminated last sentence (of more than one) goes
+    # A paragraph's sentences join back into it less its leading separators (``split_sentences``
+    # leaves no other character out), so when they all fit and the last one stays, no split is needed.
+    stripped = [p.lstrip(_LEADING) for p in paragraphs]
+    if sum(map(len, stripped)) <= budget and (not cut or ends_sentence("".join(stripped))):
+        return "".join(stripped), raw_cut
+    # Else sentence by sentence, each paragraph split only when the budget reaches it.
     out: list[str] = []
     total = 0
-    for sentence in sentences:
-        if out and total + len(sentence) > budget:
-            return "".join(out), True
-        out.append(sentence)
-        total += len(sentence)
+    for number, paragraph in enumerate(stripped):
+        sentences = split_sentences(paragraph)
+        for index, sentence in enumerate(sentences):
+            if out and total + len(sentence) > budget:
+                last = index == len(sentences) - 1 and not any(stripped[number + 1 :])
+                if last and cut and not ends_sentence(sentence):
+                    return "".join(out), raw_cut  # the unterminated last sentence went first
+                return "".join(out), True
+            out.append(sentence)
+            total += len(sentence)
+    if cut and len(out) > 1 and not ends_sentence(out[-1]):
+        out.pop()  # cut by us (or by the corpus) mid-sentence
     return "".join(out), raw_cut
 
 
