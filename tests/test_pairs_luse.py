@@ -335,3 +335,25 @@ def test_luse_without_positives_is_still_refused_on_sentence_shards(tmp_path):
     with pytest.raises(ConfigError, match="luse needs at least one positive") as error:
         check_against_data(cfg, read_shard_set(tmp_path / "sentences"), 1)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"train.gradcache_chunk_size": 8},
+        {"loss": [*LOSS, {"matryoshka": {"dims": [16], "of": ["luse"]}}]},
+        {"train.grad_accum_steps": 2, "loss": [{"luse": {"queue_size": 16}}]},
+    ],
+    ids=["gradcache", "matryoshka", "grad_accum"],
+)
+def test_luse_on_pairs_trains_with_gradcache_matryoshka_and_accumulation(pair_data, tmp_path, overrides):  # noqa: F811
+    """The other ways a step reaches the loss carry the pairs' groups too: finite losses, masks counted."""
+    from _train_data import run_and_dump
+
+    options = {"data.num_dropout_views": 1, "train.debug_dump": True, "train.max_steps": 2, **overrides}
+    cfg = pair_config(tmp_path, pair_data["taught"], options.pop("loss", LOSS), **options)
+    assert run_and_dump(cfg)["step"] == 2
+    records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r and "step" in r]
+    assert len(steps) == 2 and all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in steps)
+    assert all("false_negatives_count" in r for r in steps)
