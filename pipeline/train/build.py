@@ -38,7 +38,7 @@ from pipeline.model.vocab import SCRATCH_SMALL, read_model_config, unk_rate, wri
 from pipeline.resources import EVAL_DIR
 from pipeline.shards import ShardSet, read_shard, read_shard_set, shard_paths
 from pipeline.train.checkpoint import Checkpointer, check_compatible
-from pipeline.train.config import Config
+from pipeline.train.config import Config, OptimConfig
 from pipeline.train.metrics import MetricsLogger
 from pipeline.train.plan import DataPlan, check_against_data
 from pipeline.train.schedule import LRSchedule
@@ -214,16 +214,16 @@ def device_line(accelerator: Any, setup: DeviceSetup, timeout_s: float) -> str:
 def training_texts(cfg: Config, limit: int) -> list[str]:
     """Sentences of the training data (never the evaluation sets), for the character vocabulary."""
     loss = cfg.terms()
-    if loss.unsupervised:
-        texts: list[str] = []
-        for path in shard_paths(cfg.data.shards):
-            for table in read_shard(path):
-                texts.extend(table.column("text").to_pylist())
-                if len(texts) >= limit:
-                    return texts[:limit]
-        return texts
-    records = read_records(cfg.data.supervised_file, loss.data)
-    return [t for r in records for t in r[:-1] if isinstance(t, str)][:limit]
+    if not loss.unsupervised:  # a supervised file: its texts, not its labels
+        records = read_records(cfg.data.supervised_file, loss.data)
+        return [t for r in records for t in r[:-1] if isinstance(t, str)][:limit]
+    texts: list[str] = []
+    for path in shard_paths(cfg.data.shards):
+        for table in read_shard(path):
+            texts.extend(table.column("text").to_pylist())
+            if len(texts) >= limit:
+                return texts[:limit]
+    return texts
 
 
 def build_tokenizer(cfg: Config) -> Any:
@@ -283,10 +283,10 @@ def build_encoder(cfg: Config, tokenizer: Any = None) -> SentenceEncoder:
             m.name_or_path, pooling=m.pooling, max_length=cfg.data.max_length, prefix=m.prefix,
             tokenizer=tokenizer,
         )  # fmt: skip
+        if m.layers is not None:  # the layers kept first: their dropout set, their weights re-drawn
+            keep_layers(encoder.backbone, m.layers)
         if m.dropout is not None:
             set_dropout(encoder.backbone, m.dropout)
-        if m.layers is not None:
-            keep_layers(encoder.backbone, m.layers)
         if m.random_init:
             reinitialise(encoder.backbone, cfg.train.seed)
         return encoder
@@ -318,19 +318,19 @@ def report_unk_rate(encoder: SentenceEncoder, metrics: MetricsLogger, lines: int
     return rates
 
 
-def build_optimizer(cfg: Config, module: nn.Module) -> torch.optim.Optimizer:
-    """AdamW; biases and LayerNorm weights get no weight decay (they are not scale-like)."""
+def build_optimizer(o: OptimConfig, module: nn.Module, fused: bool) -> torch.optim.Optimizer:
+    """AdamW; biases and LayerNorm weights get no weight decay (they are not scale-like). ``fused``:
+    ``optim.fused`` resolved for the device (:class:`~pipeline.train.speed.DeviceSetup`)."""
     decay, no_decay = [], []
     for name, p in module.named_parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 else decay).append(p)
     groups = [
-        {"params": decay, "weight_decay": cfg.optim.weight_decay},
+        {"params": decay, "weight_decay": o.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    o = cfg.optim
-    fused = True if o.fused else None  # None: torch's own choice (a per-tensor loop on CPU)
-    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused)
+    kernel = True if fused else None  # None: torch's own choice (a per-tensor loop on CPU)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=kernel)
 
 
 def autocast_bf16_on_cpu(module: nn.Module) -> None:
@@ -526,7 +526,7 @@ def build(cfg: Config) -> Trainer:
     if accelerator.is_main_process:
         report_unk_rate(encoder, metrics)
     total = cfg.train.max_steps or cfg.train.epochs * stream.batches_per_epoch
-    optimizer = build_optimizer(cfg, module)
+    optimizer = build_optimizer(cfg.optim, module, setup.fused)
     queue, momentum = build_queue(loss.needs, encoder)
     teacher_queue = build_teacher_queue(loss.needs, queue, plan.teacher_dim)
     for m in (queue, momentum, teacher_queue):
