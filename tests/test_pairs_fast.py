@@ -169,3 +169,24 @@ def test_lead_splits_lazily_to_the_same_result():
             for first, tail in ((False, False), (False, True), (True, False)):
                 expected = _lead_one_split(cleaner, text, budget, first, tail)
                 assert extract.lead(cleaner, text, budget, first, tail) == expected, (text, budget)
+
+
+def test_field_paragraphs_is_cleaner_paragraphs():
+    from pipeline.stages.preprocess import text
+
+    def touched(c: str) -> bool:  # what some cleaning rule acts on, asked of the rules' own patterns
+        spaces = text._WHITESPACE_RE.match(c) and c not in extract._BREAKS
+        return bool(text.CONTROL_RE.match(c) or text._FULL_WIDTH_RE.match(c) or spaces or c in "<&{}")
+
+    pattern = extract._needs_cleaning()
+    assert [cp for cp in range(0x110000) if pattern.match(chr(cp))] == [
+        cp for cp in range(0x110000) if touched(chr(cp))
+    ]
+    rng = random.Random(4)
+    alphabet = "甲乙。，Ａ１ａ \u3000\u00a0\t\n\r\x0b\x1c\u2028\u200b<b>&amp;-{zh-cn:甲;zh-tw:乙}-（）"
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 30))) for _ in range(4000)]
+    for path in sorted((RESOURCES / "corpus" / "pairs").glob("*.gz")):
+        texts += [v for line in gzip.open(path) for v in json.loads(line).values() if isinstance(v, str)]
+    fast, slow = passes.Cleaner(), passes.Cleaner()
+    assert [extract.field_paragraphs(fast, t) for t in texts] == [slow.paragraphs(t) for t in texts]
+    assert fast.audit() == slow.audit()

@@ -48,8 +48,13 @@ import numpy as np
 
 from pipeline.normalize import normalize_text
 from pipeline.stages.preprocess.text import (
+    _CONTROL,
+    _FULL_TO_HALF,
+    _INVISIBLE,
     _LEADING,
+    _WHITESPACE_RE,
     Cleaner,
+    _char_class,
     ends_sentence,
     remove_whitespace,
     split_sentences,
@@ -251,9 +256,32 @@ def too_easy(a: str, b: str, prefix_ratio: float, jaccard: float) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- fields
+_BREAKS = "\n\r\u2028\u2029"  # the line breaks of str.splitlines that cleaning leaves in place
+_NEEDS_CLEANING: re.Pattern | None = None
+
+
+def _needs_cleaning() -> re.Pattern:
+    """One class of every character some cleaning rule acts on: markup starts (``<``, ``&``, braces),
+    control and invisible characters, full-width forms, whitespace other than ``_BREAKS``."""
+    global _NEEDS_CLEANING
+    if _NEEDS_CLEANING is None:
+        spaces = [cp for cp in range(0x3001) if _WHITESPACE_RE.fullmatch(chr(cp)) and chr(cp) not in _BREAKS]
+        points = _CONTROL + _INVISIBLE + list(range(0xD800, 0xE000)) + list(_FULL_TO_HALF) + spaces
+        _NEEDS_CLEANING = re.compile(_char_class(points + [ord(c) for c in "<&{}"]))
+    return _NEEDS_CLEANING
+
+
+def field_paragraphs(cleaner: Cleaner, value: str) -> list[str]:
+    """``cleaner.paragraphs(value)``; a value no cleaning rule touches (one search) is only cut into
+    its non-empty lines, the same list without the per-rule and per-line passes."""
+    if cleaner.converter is None and _needs_cleaning().search(value) is None:
+        return [line for line in value.splitlines() if line]
+    return cleaner.paragraphs(value)
+
+
 def clean_text(cleaner: Cleaner, value: str) -> str:
     """One field value -> one cleaned line (paragraphs joined; whitespace rules of preprocess)."""
-    paragraphs = cleaner.paragraphs(value)
+    paragraphs = field_paragraphs(cleaner, value)
     if len(paragraphs) <= 1:
         return paragraphs[0] if paragraphs else ""
     return remove_whitespace(" ".join(paragraphs))
@@ -270,7 +298,7 @@ def lead(
     raw_cut = len(value) > limit
     if raw_cut:
         value = value[:limit]
-    paragraphs = cleaner.paragraphs(value)
+    paragraphs = field_paragraphs(cleaner, value)
     if first_paragraph:
         paragraphs = paragraphs[:1]
     cut = raw_cut or cut_tail  # then an unterminated last sentence (of more than one) goes
@@ -391,6 +419,6 @@ REQUIRED = {
 
 def plain_pairs(line: str, cleaner: Cleaner, rules: PairRules) -> list[Candidate]:
     """Neighbouring sentences of one plain-text line (one paragraph or document)."""
-    sentences = [s for p in cleaner.paragraphs(line) for s in split_sentences(p)]
+    sentences = [s for p in field_paragraphs(cleaner, line) for s in split_sentences(p)]
     group = group_id("plain", line)
     return [Candidate("neighbour", a, b, group, "") for a, b in zip(sentences, sentences[1:], strict=False)]
