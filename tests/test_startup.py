@@ -80,3 +80,23 @@ def test_config_yaml_and_the_trainer_hold_the_resolved_config_computed_once(tmp_
         assert written == trainer.run_config
     finally:
         trainer.close()
+
+
+def test_a_run_started_in_the_project_root_resumes_from_elsewhere(tmp_path, monkeypatch, shards):
+    """config.yaml keeps a path as written where it exists; a resume from another working directory
+    resolves the saved config's paths as it resolves its own, so the two name the same files."""
+    from pipeline.train.build import read_saved_config
+    from pipeline.train.checkpoint import check_compatible
+
+    over = {"data.shards": str(shards), "train.deepspeed_config": "launch/deepspeed/zero2.json"}
+    monkeypatch.chdir(PROJECT_ROOT)
+    saved = to_dict(load_config(Config, DEBUG, over))
+    assert saved["train"]["deepspeed_config"] == "launch/deepspeed/zero2.json"
+    monkeypatch.chdir(tmp_path)
+    current = to_dict(load_config(Config, DEBUG, over))
+    assert current["train"]["deepspeed_config"] == str(PROJECT_ROOT / "launch" / "deepspeed" / "zero2.json")
+    assert read_saved_config(saved) == current
+    check_compatible(read_saved_config(saved), current)  # no difference, so no refusal
+    other = {**saved, "train": {**saved["train"], "deepspeed_config": "launch/deepspeed/zero1.json"}}
+    with pytest.raises(ConfigError, match="train.deepspeed_config"):
+        check_compatible(read_saved_config(other), current)  # another file still is one

@@ -38,7 +38,7 @@ from pipeline.model.vocab import SCRATCH_SMALL, read_model_config, unk_rate, wri
 from pipeline.resources import EVAL_DIR
 from pipeline.shards import ShardSet, read_shard, read_shard_set, shard_paths
 from pipeline.train.checkpoint import Checkpointer, check_compatible
-from pipeline.train.config import Config, OptimConfig
+from pipeline.train.config import Config, OptimConfig, resolve_saved_paths
 from pipeline.train.metrics import MetricsLogger
 from pipeline.train.plan import DataPlan, check_against_data
 from pipeline.train.schedule import LRSchedule
@@ -455,9 +455,10 @@ def build_checkpointer(cfg: Config, model: nn.Module) -> Checkpointer:
 def read_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's config as this version resolves it: an ``objective:`` section of an earlier
     version is read into ``loss`` as loading that config would (:mod:`pipeline.losses.legacy`), and
-    one of nulls dropped, so such a run resumes."""
+    one of nulls dropped, so such a run resumes; its file fields resolved from here, as the current
+    config's are (:func:`pipeline.train.config.resolve_saved_paths`)."""
     rest, legacy = split_objective(saved)
-    return to_dict(from_dict(Config, saved)) if legacy else rest
+    return to_dict(from_dict(Config, saved)) if legacy else resolve_saved_paths(rest)
 
 
 def resume(trainer: Trainer) -> None:

@@ -39,6 +39,21 @@ def resolve_path(path: Path) -> Path:
     return alt if alt.exists() else path
 
 
+# The file fields each section resolves when it is made (its __post_init__), as (section, field).
+FILE_FIELDS = (("data", "supervised_file"), ("model", "scratch_config"), ("train", "deepspeed_config"))
+
+
+def resolve_saved_paths(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved config (config.yaml, a checkpoint's) with its file fields resolved as loading it here
+    would: a run started in the project root and resumed from elsewhere names the same files."""
+    out = dict(saved)
+    for section, name in FILE_FIELDS:
+        value = (saved.get(section) or {}).get(name)
+        if value is not None:
+            out[section] = {**out[section], name: str(resolve_path(Path(value)))}
+    return out
+
+
 @dataclass
 class DataConfig:
     shards: Path | None = option(
