@@ -98,8 +98,8 @@ def test_batched_sibling_rule_matches_record_by_record(tmp_path: Path, monkeypat
         found = extract.EXTRACTORS["news2016zh"](r, cleaner, rules, None)
         for c in found:
             if c.sibling is not None:
-                d, b = key_text(c.positive), key_text(c.sibling)
-                if c.sibling and (
+                d, b = key_text(c.positive), key_text(c.sibling.positive)
+                if c.sibling.positive and (
                     b.startswith(d) or too_easy(d, b, rules.easy_prefix_ratio, rules.easy_jaccard)
                 ):
                     expected_dropped += 1

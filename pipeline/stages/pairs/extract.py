@@ -100,7 +100,8 @@ class Candidate:
     group: int
     batch_key: str
     latin_positive: bool = False  # translation2019zh's English side: no CJK share asked of it
-    sibling: str | None = None  # news2016zh's title-desc: the record's lead, for ``sibling_duplicate``
+    sibling: Candidate | None = None  # news2016zh's title-desc: the record's title-lead pair
+    positive_key: str | None = None  # key_text(positive) when ``sibling_duplicates`` computed it
 
 
 def group_id(source: str, record_id: str) -> int:
@@ -167,18 +168,18 @@ def key_text(text: str) -> str:
 
 
 _SEP = "\x1f"  # joins a batch of texts in ``key_texts``: a control character, dropped from every key
-_DROPPED = 0x110000  # ``_key_map`` values past the code space: the character leaves the key ...
-_SPECIAL = 0x110001  # ... or its text goes to ``key_text`` whole
+_DROPPED = 0xFFFF  # ``_key_map`` values: two noncharacters, which no character becomes in a key:
+_SPECIAL = 0xFFFE  # the character leaves the key, or its text goes to ``key_text`` whole
 _KEY_MAP: np.ndarray | None = None
 
 
 def _key_map() -> np.ndarray:
-    """What ``key_text`` makes of each BMP character of a text it does not normalise: the one
-    character it becomes (its ASCII compatibility decomposition, case-folded, when that leaves one
-    character; else itself case-folded), ``_DROPPED`` (a P/Z/C character, or a decomposition of
+    """What ``key_text`` makes of each UTF-16 code unit of a text it does not normalise: the one
+    BMP character it becomes (its ASCII compatibility decomposition, case-folded, when that leaves
+    one character; else itself case-folded), ``_DROPPED`` (a P/Z/C character, or a decomposition of
     only such) or ``_SPECIAL``: the character needs the whole text (NFKC may change it or a
     neighbour: not NFKC quick-check Yes, or a combining mark; a multi-character case folding or
-    decomposition; a surrogate). Entry 0x10000 stands for every astral character: ``_SPECIAL``."""
+    decomposition; a surrogate, i.e. an astral character or a lone surrogate)."""
     global _KEY_MAP
     if _KEY_MAP is None:
         _, table = _compat()
@@ -191,7 +192,7 @@ def _key_map() -> np.ndarray:
         def dropped(c: str) -> bool:
             return unicodedata.category(c)[0] in "PZC"
 
-        out = np.full(0x10001, _SPECIAL, dtype=np.uint32)
+        out = np.full(0x10000, _SPECIAL, dtype=np.uint16)
         for cp in range(0x10000):
             c = chr(cp)
             if c in table:  # replaced before the quick check; the ASCII it becomes is NFKC-stable
@@ -203,7 +204,7 @@ def _key_map() -> np.ndarray:
                 continue
             else:
                 folded = c.casefold()
-                if len(folded) != 1 or ord(folded) >= 0x10000:
+                if len(folded) != 1 or ord(folded) >= 0xD800:  # past the BMP's letters: rare, exact
                     continue
                 out[cp] = _DROPPED if dropped(folded) else ord(folded)
         out[ord(_SEP)] = ord(_SEP)
@@ -212,18 +213,18 @@ def _key_map() -> np.ndarray:
 
 
 def key_texts(texts: list[str]) -> list[str]:
-    """``[key_text(t) for t in texts]``, vectorised: the batch joined, encoded as UTF-32 once and
-    mapped character by character through ``_key_map``; a text with a character the map cannot
-    decide alone goes to ``key_text`` itself. The same strings (tests/test_pairs_stage.py checks)."""
+    """``[key_text(t) for t in texts]``, vectorised: the batch joined, encoded as UTF-16 once and
+    mapped code unit by code unit through ``_key_map``; a text with a character the map cannot
+    decide alone goes to ``key_text`` itself. The same strings (tests/test_pairs_fast.py checks)."""
     if not texts:
         return []
     joined = _SEP.join(texts)
     if joined.count(_SEP) != len(texts) - 1:  # a text holds the separator itself
         return [key_text(t) for t in texts]
-    codes = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype="<u4")
-    mapped = _key_map()[np.minimum(codes, 0x10000)]
-    kept = mapped[mapped < _DROPPED]
-    keys = kept.tobytes().decode("utf-32-le").split(_SEP)
+    codes = np.frombuffer(joined.encode("utf-16-le", "surrogatepass"), dtype="<u2")
+    mapped = _key_map()[codes]
+    kept = mapped[mapped < _SPECIAL]
+    keys = kept.tobytes().decode("utf-16-le").split(_SEP)
     special = np.flatnonzero(mapped == _SPECIAL)
     if len(special):
         seps = np.flatnonzero(codes == ord(_SEP))
@@ -361,26 +362,31 @@ def _baike(obj: dict[str, Any], cleaner: Cleaner, rules: PairRules, note: Any) -
 def _news(obj: dict[str, Any], cleaner: Cleaner, rules: PairRules, note: Any) -> list[Candidate]:
     title = clean_text(cleaner, _string(obj, "title"))
     group, key = group_id("news2016zh", _string(obj, "news_id")), _string(obj, "source")
-    out = []
     body, _ = lead(cleaner, _string(obj, "content"), rules.lead_chars)
+    title_lead = Candidate("title-lead", title, body, group, key)
     if _string(obj, "desc").strip():
         # desc is cut at a fixed length in the corpus: its unterminated tail goes, as content's would
         desc, _ = lead(cleaner, _string(obj, "desc"), rules.max_positive_chars, cut_tail=True)
         # ``sibling_duplicates`` decides it, for a batch of records at once
-        out.append(Candidate("title-desc", title, desc, group, key, sibling=body))
-    out.append(Candidate("title-lead", title, body, group, key))
-    return out
+        return [Candidate("title-desc", title, desc, group, key, sibling=title_lead), title_lead]
+    return [title_lead]
 
 
 def sibling_duplicates(candidates: list[Candidate], rules: PairRules) -> list[bool]:
     """For each candidate with a ``sibling`` (news2016zh's title-desc): whether its desc is a prefix
-    of the record's lead or too easy against it (module docstring); False for the others."""
+    of the record's lead or too easy against it (module docstring); False for the others. Both
+    sides' keys stay on the candidates (``positive_key``) for the pair rules."""
     pending = [c for c in candidates if c.sibling is not None]
-    keys = key_texts([c.positive for c in pending] + [c.sibling for c in pending])  # type: ignore[misc]
+    if not pending:
+        return [False] * len(candidates)
+    leads = [c.sibling for c in pending]
+    keys = key_texts([c.positive for c in pending] + [s.positive for s in leads])  # type: ignore[union-attr]
     verdicts = iter(
-        bool(c.sibling) and (b.startswith(d) or too_easy(d, b, rules.easy_prefix_ratio, rules.easy_jaccard))
-        for c, d, b in zip(pending, keys[: len(pending)], keys[len(pending) :], strict=True)
+        bool(s.positive) and (b.startswith(d) or too_easy(d, b, rules.easy_prefix_ratio, rules.easy_jaccard))
+        for s, d, b in zip(leads, keys[: len(pending)], keys[len(pending) :], strict=True)  # type: ignore[union-attr]
     )
+    for c, s, d, b in zip(pending, leads, keys[: len(pending)], keys[len(pending) :], strict=True):
+        c.positive_key, s.positive_key = d, b  # type: ignore[union-attr]
     return [next(verdicts) if c.sibling is not None else False for c in candidates]
 
 

@@ -190,8 +190,15 @@ def _filter_and_add(
     columns: dict[str, list[Any]] = {n: [] for n in PAIR_SCHEMA.names}
     keys_text: list[str] = []
     survivors = np.flatnonzero(reason == 0).tolist()
-    keys = key_texts([anchors[i] for i in survivors] + [positives[i] for i in survivors])
-    for i, a_key, p_key in zip(survivors, keys[: len(survivors)], keys[len(survivors) :], strict=True):
+    a_keys = key_texts([anchors[i] for i in survivors])
+    # a positive's key from the sibling rule holds unless the length filter repaired the text
+    p_keys = [
+        candidates[i].positive_key if positives[i] == candidates[i].positive else None for i in survivors
+    ]
+    missing = [n for n, k in enumerate(p_keys) if k is None]
+    for n, k in zip(missing, key_texts([positives[survivors[n]] for n in missing]), strict=True):
+        p_keys[n] = k
+    for i, a_key, p_key in zip(survivors, a_keys, p_keys, strict=True):
         c = candidates[i]
         if too_easy(a_key, p_key, rules.easy_prefix_ratio, rules.easy_jaccard):
             reason[i] = easy
@@ -202,7 +209,8 @@ def _filter_and_add(
         columns["kind"].append(c.kind)
         columns["group"].append(c.group)
         columns["batch_key"].append(c.batch_key)
-        keys_text.append(f"{a_key}\x1f{p_key}")
+        if params.neardup is not None:
+            keys_text.append(f"{a_key}\x1f{p_key}")
     columns["source"] = [source] * len(columns["id"])
     for code, n in zip(*np.unique(reason, return_counts=True), strict=True):
         if code:
@@ -276,21 +284,21 @@ def _read_unit(
         samples.add(reason, _short(text))
 
     candidates: list[Candidate] = []
-    pending = 0  # candidates in ``candidates`` whose sibling rule is not decided yet
+    settled = 0  # candidates[:settled] have no sibling rule left to decide
 
     def settle() -> None:
         """Decide the pending sibling rules (one batch of keys): drop those pairs, noted in order."""
-        nonlocal candidates, pending
-        if pending:
-            verdicts = sibling_duplicates(candidates, params.rules)
-            for c, dropped in zip(candidates, verdicts, strict=True):
+        nonlocal candidates, settled
+        tail = candidates[settled:]
+        verdicts = sibling_duplicates(tail, params.rules)
+        if any(verdicts):
+            for c, dropped in zip(tail, verdicts, strict=True):
                 if dropped:  # the lead says it too, in whole sentences (already in pairs_extracted)
                     counts["sibling_duplicate"] += 1
                     samples.add("sibling_duplicate", _short(c.positive))
-            candidates = [c for c, dropped in zip(candidates, verdicts, strict=True) if not dropped]
-            for c in candidates:
-                c.sibling = None
-            pending = 0
+            del candidates[settled:]
+            candidates += [c for c, dropped in zip(tail, verdicts, strict=True) if not dropped]
+        settled = len(candidates)
 
     number = 0
     try:
@@ -320,8 +328,8 @@ def _read_unit(
                 if not isinstance(obj, dict):
                     bad(number, "bad_json", f"a JSON {type(obj).__name__}, not an object")
                     continue
-                missing = [f for f in required if not isinstance(obj.get(f), str | int)]
-                if missing:
+                if not all(isinstance(obj.get(f), str | int) for f in required):
+                    missing = [f for f in required if not isinstance(obj.get(f), str | int)]
                     bad(number, "missing_field", f"no string field {', '.join(missing)}")
                     continue
                 found = extract(obj, cleaner, params.rules, note)
@@ -331,14 +339,13 @@ def _read_unit(
             counts["records_with_pairs"] += 1
             counts["pairs_extracted"] += len(found)
             candidates += found
-            pending += sum(c.sibling is not None for c in found)
             # a batch is the records up to the first that brings FLUSH_PAIRS pairs past the sibling
             # rule: settled only when the count with the undecided ones reaches it (log-many times)
             if len(candidates) >= FLUSH_PAIRS:
                 settle()
                 if len(candidates) >= FLUSH_PAIRS:
                     _filter_and_add(source, candidates, params, counts, writer, cleaner, samples, progress)
-                    candidates = []
+                    candidates, settled = [], 0
     except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
         bad(number + 1, "unreadable", f"stream cannot be read further ({exc}); later records are lost")
     settle()
