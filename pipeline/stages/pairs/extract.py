@@ -90,7 +90,7 @@ class PairRules:
     to_simplified: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class Candidate:
     """One extracted pair before the length, CJK, too-easy and dedup rules."""
 
@@ -306,8 +306,9 @@ def lead(
     # A paragraph's sentences join back into it less its leading separators (``split_sentences``
     # leaves no other character out), so when they all fit and the last one stays, no split is needed.
     stripped = [p.lstrip(_LEADING) for p in paragraphs]
-    if sum(map(len, stripped)) <= budget and (not cut or ends_sentence("".join(stripped))):
-        return "".join(stripped), raw_cut
+    whole = "".join(stripped)
+    if len(whole) <= budget and (not cut or ends_sentence(whole)):
+        return whole, raw_cut
     # Else sentence by sentence, each paragraph split only when the budget reaches it.
     out: list[str] = []
     total = 0

@@ -220,9 +220,8 @@ def _filter_and_add(
                 for i in np.flatnonzero(reason == code)[:_EXAMPLES].tolist():
                     samples.add(name, {"anchor": _short(anchors[i]), "positive": _short(positives[i])})
     counts["kept_pass1"] += len(columns["id"])
-    for c, r in zip(candidates, reason.tolist(), strict=True):
-        if not r:
-            counts[f"kind:{c.kind}"] += 1
+    for kind, n in Counter(columns["kind"]).items():  # the kept pairs' kinds
+        counts[f"kind:{kind}"] += n
     if columns["id"]:
         writer.add(columns, keys_text)
     progress(len(candidates))
@@ -328,8 +327,8 @@ def _read_unit(
                 if not isinstance(obj, dict):
                     bad(number, "bad_json", f"a JSON {type(obj).__name__}, not an object")
                     continue
-                if not all(isinstance(obj.get(f), str | int) for f in required):
-                    missing = [f for f in required if not isinstance(obj.get(f), str | int)]
+                missing = [f for f in required if not isinstance(obj.get(f), (str, int))]
+                if missing:
                     bad(number, "missing_field", f"no string field {', '.join(missing)}")
                     continue
                 found = extract(obj, cleaner, params.rules, note)
