@@ -19,6 +19,13 @@ from _train_data import make_shards
 
 _changed: list[str] = []
 
+# One intra-op thread in the test process, and by default in the processes the tests start. The tests'
+# tensors are tiny, so a second thread buys nothing; on a loaded machine (CI beside another run) OpenMP
+# waiting at every op for a descheduled second thread made a 32-wide MLP's training step 40 times slower
+# (35-48 ms against 0.9-1.1 ms with one thread, load average 8 on 2 cores), and the suite with it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
 
 def _process_state() -> dict[str, object]:
     return {
