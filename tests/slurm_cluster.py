@@ -79,14 +79,46 @@ def array_states(env: dict[str, str], job_id: str) -> list[str]:
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
 
 
+# The local cluster is one node whose CPUs one 2-task job takes: a job waits in the queue while another
+# test run's job (two runs at once on one machine) has the node. That wait is bounded by this, not by the
+# time a test gives its job to run.
+QUEUE_TIMEOUT = 1800.0
+
+
 def wait_for_job(env: dict[str, str], job_id: str, timeout: float, log: Path | None = None) -> dict[str, str]:
-    """Poll until every task of ``job_id`` is in a final state; returns the first task's info."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Poll until every task of ``job_id`` is in a final state; returns the first task's info.
+
+    ``timeout`` counts the time the job is out of the queue; time with every task pending counts
+    against QUEUE_TIMEOUT instead."""
+    running = pending = 0.0
+    last = time.monotonic()
+    while running < timeout and pending < QUEUE_TIMEOUT:
         states = array_states(env, job_id)
         if states and all(s in FINAL_STATES for s in states):
             return job_info(env, job_id)
         time.sleep(1)
+        now = time.monotonic()
+        if states and all(s == "PENDING" for s in states):
+            pending += now - last
+        else:
+            running += now - last
+        last = now
     subprocess.run(["scancel", job_id], env=env)
     tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
-    raise AssertionError(f"job {job_id} did not finish in {timeout} s: {job_info(env, job_id)}\n{tail}")
+    raise AssertionError(
+        f"job {job_id} did not finish in {timeout} s out of the queue ({pending:.0f} s pending): "
+        f"{job_info(env, job_id)}\n{tail}"
+    )
+
+
+def wait_for_start(env: dict[str, str], job_id: str) -> None:
+    """Wait until ``job_id`` leaves the queue (at most QUEUE_TIMEOUT), so that a test's own deadline for
+    the job's progress does not count time spent behind another run's job."""
+    deadline = time.monotonic() + QUEUE_TIMEOUT
+    while time.monotonic() < deadline:
+        states = array_states(env, job_id)
+        if states and any(s != "PENDING" for s in states):
+            return
+        time.sleep(1)
+    info = job_info(env, job_id)
+    raise AssertionError(f"job {job_id} was still pending after {QUEUE_TIMEOUT:.0f} s: {info}")

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 from _train_data import make_shards
-from slurm_cluster import REPO, cluster_env, job_info, sbatch, wait_for_job
+from slurm_cluster import REPO, cluster_env, job_info, sbatch, wait_for_job, wait_for_start
 
 pytestmark = pytest.mark.slurm
 
@@ -140,6 +140,7 @@ def test_usr1_checkpoints_requeues_and_resumes_exactly(slurm_env, tmp_path):
         str(STEPS),
     )
     progress = run / "progress.txt"
+    wait_for_start(env, job)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (
         progress.exists() and len(progress.read_text().split("\n")) > 5
@@ -320,6 +321,7 @@ def test_kill9_of_one_rank_is_requeued_and_ends_with_the_uninterrupted_weights(s
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", ref_log.read_text()[-3000:]
 
     job, env, run, log = real_job(slurm_env, tmp_path, shards, "killed")
+    wait_for_start(env, job)
     reached = wait_for_metrics_step(run, 5, 300, f"job {job}")
     victim = rank_process(job, 1)
     assert victim is not None, f"no rank-1 process of job {job}"
