@@ -114,11 +114,8 @@ class _Writer:
         ids = np.array(columns["id"], dtype=np.uint64)
         keys = shuffle_keys(ids, self.params.seed)
         parts = partition_of(keys, self.params.num_partitions)
-        # the 64-bit ids through numpy: pa.array over Python ints past 2**63 takes ~25 us each
-        arrays = {"id": pa.array(ids), "group": pa.array(np.array(columns["group"], dtype=np.uint64))}
-        for n in PAIR_SCHEMA.names:
-            arrays.setdefault(n, pa.array(columns[n], PAIR_SCHEMA.field(n).type))
-        table = pa.table({**{n: arrays[n] for n in PAIR_SCHEMA.names}, "part": parts})
+        table = pa.table({**{n: pa.array(columns[n], PAIR_SCHEMA.field(n).type) for n in PAIR_SCHEMA.names},
+                          "part": parts})  # fmt: skip
         self.pairs.add(table, 3 * sum(map(len, columns["text"])) + 3 * sum(map(len, columns["positive"])))
         nd = self.params.neardup
         if self.bands is not None and nd is not None:
