@@ -204,8 +204,8 @@ def _key_map() -> np.ndarray:
                 continue
             else:
                 folded = c.casefold()
-                if len(folded) != 1 or ord(folded) >= 0xD800:  # past the BMP's letters: rare, exact
-                    continue
+                if len(folded) != 1 or ord(folded) >= 0xD800:  # a kept value stays below the surrogates
+                    continue  # and the two markers: the few characters past them go whole
                 out[cp] = _DROPPED if dropped(folded) else ord(folded)
         out[ord(_SEP)] = ord(_SEP)
         _KEY_MAP = out
