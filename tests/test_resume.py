@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 from _train_data import make_shards
-from slurm_cluster import cluster_env, job_info, sbatch, wait_for_job
+from slurm_cluster import cluster_env, job_info, sbatch, wait_for_job, wait_for_start
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = REPO / "launch" / "configs" / "debug.yaml"
@@ -134,18 +135,37 @@ def consumed(run_dir: Path) -> dict[int, list[int]]:
     return {step: [i for r in sorted(ranks) for i in ranks[r]] for step, ranks in sorted(per_rank.items())}
 
 
+# The reference runs keep every checkpoint (harmless: intervals and retention are not part of the run), so
+# that a test can start from the state a run stopped after step k leaves (stopped_after) without paying a
+# process launch for a run of k steps.
+KEEP_ALL = f"--checkpoint.keep_last={STEPS // 2}"
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(setup):
     run_dir = setup["root"] / "uninterrupted"
-    run_to_end([*torchrun(setup, run_dir), *PLAIN])
+    run_to_end([*torchrun(setup, run_dir), *PLAIN, KEEP_ALL])
     return {"dir": run_dir, "losses": losses(run_dir), "dumps": dumps(run_dir, 2), "ids": consumed(run_dir)}
 
 
 @pytest.fixture(scope="module")
 def uninterrupted_bucketed(setup):
     run_dir = setup["root"] / "uninterrupted-bucketed"
-    run_to_end([*torchrun(setup, run_dir), *BUCKETING])
+    run_to_end([*torchrun(setup, run_dir), *BUCKETING, KEEP_ALL])
     return {"dir": run_dir, "losses": losses(run_dir), "dumps": dumps(run_dir, 2), "ids": consumed(run_dir)}
+
+
+def stopped_after(reference: Path, run_dir: Path, step: int) -> None:
+    """Make ``run_dir`` what a run stopped after ``step`` leaves: the reference run's checkpoint of that
+    step, and its metrics and recorded sample ids up to that step."""
+    name = f"step-{step:08d}"
+    shutil.copytree(reference / "checkpoints" / name, run_dir / "checkpoints" / name)
+    for path in [reference / "metrics.jsonl", *reference.glob("ids-rank*.txt")]:
+        if path.suffix == ".jsonl":
+            kept = [x for x in path.read_text().splitlines() if json.loads(x).get("step", 0) <= step]
+        else:
+            kept = [x for x in path.read_text().splitlines() if int(x.split()[0]) <= step]
+        (run_dir / path.name).write_text("".join(x + "\n" for x in kept))
 
 
 def assert_same_run(run_dir: Path, reference: dict) -> None:
@@ -221,8 +241,7 @@ def test_resume_at_another_world_size_consumes_every_sample_once(setup, request,
     uninterrupted = request.getfixturevalue("uninterrupted_bucketed" if bucketing else "uninterrupted")
     extra = BUCKETING if bucketing else PLAIN
     run_dir = setup["root"] / f"two-then-one-{'bucketed' if bucketing else 'plain'}"
-    first = 4  # two processes for 4 steps (a checkpoint at the end) ...
-    run_to_end([*torchrun(setup, run_dir, nproc=2, steps=first), *extra])
+    stopped_after(uninterrupted["dir"], run_dir, 4)  # two processes for 4 steps (their checkpoint) ...
     resumed = run_to_end([*torchrun(setup, run_dir, nproc=1, steps=STEPS), *extra])  # ... then one process
     assert "is resumed by 1" in resumed.stderr  # the warning that RNG streams start afresh
     got = consumed(run_dir)
@@ -258,6 +277,7 @@ def test_slurm_usr1_requeue_resume_equals_uninterrupted(setup, uninterrupted):
         *PLAIN,
     )
     try:
+        wait_for_start(job_env, job)
         signalled_at = wait_for_step(run_dir, 3, timeout=300)
     except AssertionError:
         raise AssertionError(f"{job_info(job_env, job)}\n{log.read_text() if log.exists() else ''}") from None
@@ -273,11 +293,11 @@ def test_slurm_usr1_requeue_resume_equals_uninterrupted(setup, uninterrupted):
 def test_deepspeed_zero2_resume_is_exact(setup):
     zero2 = ["--train.deepspeed_config=launch/deepspeed/zero2.json"]
     reference = setup["root"] / "zero2-full"
-    run_to_end([*torchrun(setup, reference, steps=4), *zero2])
+    run_to_end([*torchrun(setup, reference, steps=4), *zero2])  # keeps its checkpoints of steps 2 and 4
     run_dir = setup["root"] / "zero2-resumed"
-    run_to_end([*torchrun(setup, run_dir, steps=2), *zero2])
+    stopped_after(reference, run_dir, 2)
     resumed = run_to_end([*torchrun(setup, run_dir, steps=4), *zero2])
-    assert "resumed from" in resumed.stderr
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-00000002'}" in resumed.stderr
     assert losses(run_dir) == losses(reference)
     for mine, ref in zip(dumps(run_dir, 2), dumps(reference, 2), strict=True):
         assert mine["param_checksum"] == ref["param_checksum"]
