@@ -36,7 +36,7 @@ from pipeline.errors import InputError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NLI_LABELS", "PAIR_KEYS", "Pair", "Triple", "read_pairs", "read_triples"]
+__all__ = ["NLI_LABELS", "PAIR_KEYS", "Pair", "Triple", "read_pairs", "read_records", "read_triples"]
 
 # Sentence-transformers' AllNLI class order, for ``label_map`` with the SBERT classifier.
 NLI_LABELS: dict[str, int] = {"contradiction": 0, "entailment": 1, "neutral": 2}
@@ -235,3 +235,11 @@ def read_triples(path: str | Path, strict: bool = True) -> list[Triple]:
         return [Triple(anchor, positive, _text(fields[2], "negative"))]
 
     return _read(path, ("anchor", "positive", "negative"), TRIPLE_KEYS, build, strict, "triple")
+
+
+def read_records(path: str | Path, source: str) -> list[tuple]:
+    """A supervised file's records as tuples (texts..., label), label None for triples (``source``:
+    the loss's data, "pairs" or "triples"): the rows the trainer's in-memory batches are made of."""
+    if source == "triples":
+        return [(t.anchor, t.positive, t.negative, None) for t in read_triples(path)]
+    return [(p.text_a, p.text_b, p.label) for p in read_pairs(path)]

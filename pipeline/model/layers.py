@@ -1,14 +1,19 @@
-"""Cutting the transformer layers of a BERT-family backbone, in place (``model.layers`` in training,
-``python -m pipeline student --keep_layers/--layers`` offline): anything with ``encoder.layer`` and
-``config.num_hidden_layers`` (BertModel, RoBERTa, XLM-R)."""
+"""Surgery on a loaded backbone, in place: cutting the transformer layers of a BERT-family backbone
+(``model.layers`` in training, ``python -m pipeline student --keep_layers/--layers`` offline: anything
+with ``encoder.layer`` and ``config.num_hidden_layers``, i.e. BertModel, RoBERTa, XLM-R), the dropout it
+trains with (``model.dropout``) and fresh weights (``model.random_init``)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from pipeline.errors import ConfigError, InputError
+
+log = logging.getLogger(__name__)
 
 
 def encoder_layers(backbone: nn.Module) -> nn.ModuleList:
@@ -57,3 +62,27 @@ def keep_layers(backbone: nn.Module, layers: Sequence[int]) -> None:
     config.num_hidden_layers = len(chosen)
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = [config.layer_types[i] for i in chosen]
+
+
+def reinitialise(backbone: nn.Module, seed: int) -> None:
+    """Fresh weights from the architecture's own initialiser (transformers' ``_init_weights``).
+
+    transformers marks loaded tensors ``_is_hf_initialized`` and its initialisers skip those, so the
+    marks are cleared first (without that, nothing changes).
+    """
+    for tensor in [*backbone.parameters(), *backbone.buffers()]:
+        if getattr(tensor, "_is_hf_initialized", False):
+            tensor._is_hf_initialized = False
+    torch.manual_seed(seed)
+    backbone.apply(backbone._init_weights)
+    log.info("model.random_init: every weight of the model folder re-initialised (seed %d)", seed)
+
+
+def set_dropout(backbone: nn.Module, p: float) -> None:
+    """Train with dropout ``p`` without writing it into the model: every dropout module (hidden and
+    attention; BERT's attention reads its module's ``p`` too) takes ``p``, and the config keeps the
+    folder's own values, so a saved or exported model carries its original dropout to whoever fine-tunes
+    it next (a distilled student trained at 0 is still fine-tuned at e5's 0.1)."""
+    for module in backbone.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = p

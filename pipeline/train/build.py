@@ -23,6 +23,7 @@ from torch import nn
 from pipeline import distributed as dist
 from pipeline.config import from_dict, to_dict
 from pipeline.data.collate import MLMCollator, PairCollator, PairShardCollator, ViewCollator
+from pipeline.data.pairs import read_records
 from pipeline.data.sources import pair_order
 from pipeline.data.stream import BatchStream, MemorySource, ShardSource, index_shards
 from pipeline.devices import bind_local_device, probe_cuda
@@ -33,7 +34,7 @@ from pipeline.losses.legacy import split_objective
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
 from pipeline.model.encoder import load_tokenizer as load_model_tokenizer
 from pipeline.model.heads import MLMHead, TrainModule
-from pipeline.model.layers import keep_layers
+from pipeline.model.layers import keep_layers, reinitialise, set_dropout
 from pipeline.model.vocab import SCRATCH_SMALL, read_model_config, unk_rate, write_vocab
 from pipeline.resources import EVAL_DIR
 from pipeline.shards import ShardSet, read_shard, read_shard_set, shard_paths
@@ -241,30 +242,6 @@ def build_tokenizer(cfg: Config) -> Any:
     return make_tokenizer(folder / "vocab.txt")
 
 
-def reinitialise(backbone: torch.nn.Module, seed: int) -> None:
-    """Fresh weights from the architecture's own initialiser (transformers' ``_init_weights``).
-
-    transformers marks loaded tensors ``_is_hf_initialized`` and its initialisers skip those, so the
-    marks are cleared first (without that, nothing changes).
-    """
-    for tensor in [*backbone.parameters(), *backbone.buffers()]:
-        if getattr(tensor, "_is_hf_initialized", False):
-            tensor._is_hf_initialized = False
-    torch.manual_seed(seed)
-    backbone.apply(backbone._init_weights)
-    log.info("model.random_init: every weight of the model folder re-initialised (seed %d)", seed)
-
-
-def set_dropout(backbone: nn.Module, p: float) -> None:
-    """Train with dropout ``p`` without writing it into the model: every dropout module (hidden and
-    attention; BERT's attention reads its module's ``p`` too) takes ``p``, and the config keeps the
-    folder's own values, so a saved or exported model carries its original dropout to whoever fine-tunes
-    it next (a distilled student trained at 0 is still fine-tuned at e5's 0.1)."""
-    for module in backbone.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = p
-
-
 def load_tokenizer(cfg: Config) -> tuple[Any, str]:
     """(tokenizer, text prefix) of the encoder :func:`build_encoder` builds, before its weights: the data
     checks (:func:`pipeline.train.plan.check_against_data`) and the batches need them."""
@@ -347,16 +324,6 @@ def autocast_bf16_on_cpu(module: nn.Module) -> None:
         return tuple(o.float() for o in out) if isinstance(out, tuple) else out.float()
 
     module.forward = autocast_forward
-
-
-def read_records(path: Path, source: str) -> list[tuple]:
-    """The supervised file's records as tuples (texts..., label), label None for triples (``source``:
-    the loss's data, "pairs" or "triples")."""
-    from pipeline.data.pairs import read_pairs, read_triples
-
-    if source == "triples":
-        return [(t.anchor, t.positive, t.negative, None) for t in read_triples(path)]
-    return [(p.text_a, p.text_b, p.label) for p in read_pairs(path)]
 
 
 def shard_blocks(shards: ShardSet, verify: bool, rank: int) -> list[Any]:
