@@ -8,8 +8,8 @@ Stages (each skipped when its output exists, so a rerun continues):
     news id, paper) with a seeded hash: a held-out part becomes the retrieval sets (query -> document,
     the documents of the held-out part are the corpus), the rest (capped per source) is what the arms
     train on. Then ``pipeline pairs`` and the teacher stage (both sides embedded, consistency scores
-    stored; ``--top-k 0`` keeps every pair, ``--top-k 0 2`` also writes a filtered set, which no arm
-    reads yet).
+    stored; ``--top-k 0`` keeps every pair, ``--top-k 0 2`` also writes the set the ``*_top2`` arms
+    read: a pair kept when its partner is in the teacher's top 2).
     Translation pairs (Tatoeba) are left out: the student's vocabulary is trimmed to the Chinese
     sample's characters, so English would be mostly unknown pieces.
 ``run``
@@ -161,6 +161,11 @@ def arm_args(arm: str, seed: int, steps: int) -> list[str]:
     ]
     pairs = OUT / "pairs_t0"
     mixed = [f"--data.shards={pairs}", "--data.one_source_per_batch=false"]
+    top2 = [
+        f"--data.shards={OUT / 'pairs_t2'}",
+        "--data.one_source_per_batch=false",
+        "--data.pair_max_rank=2",
+    ]
     both = "--loss=[{distill: {loss: cosine}}, {pairs: {temperature: 0.05}, weight: 0.1}]"
     arms = {
         # the main job's data, 128 sentences a step: as many encoded texts as a pair arm's 64 pairs
@@ -184,6 +189,11 @@ def arm_args(arm: str, seed: int, steps: int) -> list[str]:
             "{temperature: 0.05, queue_size: 256, momentum: 0.0, false_negatives: {same_text: "
             "true}}, weight: 0.01}]",
         ],
+        # the teacher's consistency filter (keep a pair when its partner is in the teacher's top 2 of the
+        # candidate pool; prepare --top-k 0 2): the w001 arm and its distillation-only control on the
+        # filtered pairs, so the filter is judged against the same texts
+        "distill_pairtexts_top2": [*top2, "--loss=[{distill: {loss: cosine}}]"],
+        "distill_pairs_w001_top2": [*top2, both.replace("weight: 0.1}", "weight: 0.01}")],
     }
     extra = os.environ.get(f"ARM_{arm.upper()}")  # e.g. a sweep arm: a JSON list of overrides
     if arm not in arms and extra is None:

@@ -30,6 +30,8 @@ ARMS = [
     "distill_pairs_onesource",
     "distill_pairs_w001",
     "luse_pairs",
+    "distill_pairtexts_top2",
+    "distill_pairs_w001_top2",
 ]
 
 
@@ -47,6 +49,8 @@ def test_each_arm_parses_to_the_training_config_it_names(study, arm, monkeypatch
         "distill_pairs_onesource": ["distill", "pairs"],
         "distill_pairs_w001": ["distill", "pairs"],
         "luse_pairs": ["distill", "luse"],
+        "distill_pairtexts_top2": ["distill"],
+        "distill_pairs_w001_top2": ["distill", "pairs"],
     }[arm]
     assert names == expected
     weights = [wt.weight for wt in cfg.terms().terms]
@@ -54,6 +58,7 @@ def test_each_arm_parses_to_the_training_config_it_names(study, arm, monkeypatch
         "distill_pairs": [1.0, 0.1],
         "distill_pairs_w001": [1.0, 0.01],
         "luse_pairs": [1.0, 0.01],
+        "distill_pairs_w001_top2": [1.0, 0.01],
     }
     assert weights == expected_weights.get(arm, weights)
     if arm == "luse_pairs":  # on pairs: no variants, no dropout views (the recipe's dropout is 0), a queue
@@ -63,7 +68,10 @@ def test_each_arm_parses_to_the_training_config_it_names(study, arm, monkeypatch
     # equal compute: 128 encoded texts a step in every arm (64 pairs, or 128 corpus sentences)
     assert cfg.train.global_batch_size == (128 if arm == "distill_corpus" else 64)
     assert cfg.data.one_source_per_batch == (arm == "distill_pairs_onesource")
-    assert ("pairs_t0" in str(cfg.data.shards)) == (arm != "distill_corpus")
+    top2 = arm.endswith("_top2")  # the teacher-filtered pairs, checked against the filter's record
+    assert ("pairs_t0" in str(cfg.data.shards)) == (arm != "distill_corpus" and not top2)
+    assert ("pairs_t2" in str(cfg.data.shards)) == top2
+    assert cfg.data.pair_max_rank == (2 if top2 else 0)
 
 
 def test_an_unknown_arm_is_refused_with_the_list(study):
