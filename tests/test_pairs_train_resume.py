@@ -22,6 +22,7 @@ from test_resume import (
     kill9_tree,
     losses,
     run_to_end,
+    stopped_after,
     wait_for_step,
 )
 
@@ -74,8 +75,8 @@ def torchrun(setup, run_dir, nproc: int = 2, steps: int = STEPS) -> list[str]:
 @pytest.fixture(scope="module")
 def uninterrupted(setup):
     run_dir = setup["root"] / "uninterrupted"
-    run_to_end(torchrun(setup, run_dir))
-    return {"losses": losses(run_dir), "dumps": dumps(run_dir, 2), "ids": consumed(run_dir)}
+    run_to_end([*torchrun(setup, run_dir), f"--checkpoint.keep_last={STEPS // 2}"])  # for stopped_after
+    return {"dir": run_dir, "losses": losses(run_dir), "dumps": dumps(run_dir, 2), "ids": consumed(run_dir)}
 
 
 def test_the_run_crosses_an_epoch_with_single_source_batches(setup, uninterrupted):
@@ -120,7 +121,7 @@ def test_kill9_at_a_random_step_then_rerun_is_exact(setup, uninterrupted):
 
 def test_resume_at_another_world_size_takes_the_same_pairs_in_the_same_order(setup, uninterrupted):
     run_dir = setup["root"] / "two-then-one"
-    run_to_end(torchrun(setup, run_dir, nproc=2, steps=6))
-    run_to_end(torchrun(setup, run_dir, nproc=1, steps=STEPS))
+    stopped_after(uninterrupted["dir"], run_dir, 6)  # two processes for 6 steps (their checkpoint) ...
+    run_to_end(torchrun(setup, run_dir, nproc=1, steps=STEPS))  # ... then one
     assert consumed(run_dir) == uninterrupted["ids"]
     assert dumps(run_dir, 1)[0]["cursor"] == uninterrupted["dumps"][0]["cursor"]
