@@ -290,13 +290,31 @@ def test_slurm_usr1_requeue_resume_equals_uninterrupted(setup, uninterrupted):
     assert_same_run(run_dir, uninterrupted)
 
 
-def test_deepspeed_zero2_resume_is_exact(setup):
-    zero2 = ["--train.deepspeed_config=launch/deepspeed/zero2.json"]
-    reference = setup["root"] / "zero2-full"
-    run_to_end([*torchrun(setup, reference, steps=4), *zero2])  # keeps its checkpoints of steps 2 and 4
+ZERO2 = ["--train.deepspeed_config=launch/deepspeed/zero2.json"]
+
+
+@pytest.fixture(scope="module")
+def zero2_reference(setup) -> Path:
+    """A two-process DeepSpeed ZeRO-2 run of 4 steps; it keeps its checkpoints of steps 2 and 4."""
+    run_dir = setup["root"] / "zero2-full"
+    run_to_end([*torchrun(setup, run_dir, steps=4), *ZERO2])
+    return run_dir
+
+
+def test_two_process_deepspeed_zero2_run_keeps_ranks_identical(zero2_reference):
+    """(Was in tests/test_launch.py with a run of its own: the resume test below needs this run anyway.)"""
+    rank0, rank1 = dumps(zero2_reference, 2)
+    assert rank0["param_checksum"] == rank1["param_checksum"]
+    assert rank0["queue_checksum"] == rank1["queue_checksum"]
+    got = losses(zero2_reference)
+    assert sorted(got) == [1, 2, 3, 4] and all(len(v) == 1 and v[0] == v[0] for v in got.values()), got
+
+
+def test_deepspeed_zero2_resume_is_exact(setup, zero2_reference):
+    reference = zero2_reference
     run_dir = setup["root"] / "zero2-resumed"
     stopped_after(reference, run_dir, 2)
-    resumed = run_to_end([*torchrun(setup, run_dir, steps=4), *zero2])
+    resumed = run_to_end([*torchrun(setup, run_dir, steps=4), *ZERO2])
     assert f"resumed from {run_dir / 'checkpoints' / 'step-00000002'}" in resumed.stderr
     assert losses(run_dir) == losses(reference)
     for mine, ref in zip(dumps(run_dir, 2), dumps(reference, 2), strict=True):
