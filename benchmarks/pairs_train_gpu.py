@@ -7,7 +7,8 @@ global batches, and a short bf16 train on the bundled real pairs, one source per
 2. ``pipeline pairs`` over pipeline/resources/corpus/pairs, a tiny character teacher (tests/_tiny_models)
    over both sides, then 40 steps of 128 pairs of launch/configs/debug.yaml's tiny student with
    ``loss: [{distill: {}}, {pairs: {temperature: 0.05}, weight: 0.1}]`` in bf16, one source per global
-   batch and mixed; prints the logged losses and masked-candidate counts.
+   batch and mixed; and distillation + 0.01 x LUSE on the pairs with one dropout view and a momentum
+   queue (docs/pairs.md, "LUSE on pairs"); prints the logged losses and masked-candidate counts.
 
     PYTHONPATH=. python3 benchmarks/pairs_train_gpu.py [--out results.json]
 """
@@ -78,22 +79,29 @@ def short_train(root: Path) -> dict[str, object]:
     taught = root / "taught"
     cfg = TeacherConfig(shards=root / "pairs", out=taught, model=str(teacher), batch_size=256, progress=False)
     assert teacher_run(cfg) == 0
+    pairs = [{"distill": {}}, {"pairs": {"temperature": 0.05}, "weight": 0.1}]
+    # LUSE on pairs (docs/pairs.md): anchor, partner and one dropout view, a momentum queue of 256
+    luse = {"temperature": 0.05, "queue_size": 256, "momentum": 0.995, "false_negatives": {"same_text": True}}
+    cases = {
+        "one_source_per_batch=True": (True, 0, pairs),
+        "one_source_per_batch=False": (False, 0, pairs),
+        "luse_pairs_dropout_view": (True, 1, [{"distill": {}}, {"luse": luse, "weight": 0.01}]),
+    }
     out: dict[str, object] = {}
-    for one_source in (True, False):
-        run_dir = root / f"run-{one_source}"
+    for name, (one_source, dropout_views, loss) in cases.items():
+        run_dir = root / name.replace("=", "-")
         overrides = {
             "data.shards": str(taught), "run_dir": str(run_dir), "data.num_variants": 0,
-            "data.num_dropout_views": 0, "data.length_bucketing": False,
+            "data.num_dropout_views": dropout_views, "data.length_bucketing": False,
             "data.one_source_per_batch": one_source, "train.device": "cuda", "train.mixed_precision": "bf16",
-            "train.global_batch_size": 128, "train.max_steps": 40, "train.log_every": 10,
-            "loss": [{"distill": {}}, {"pairs": {"temperature": 0.05}, "weight": 0.1}],
+            "train.global_batch_size": 128, "train.max_steps": 40, "train.log_every": 10, "loss": loss,
         }  # fmt: skip
         cfg = load_config(Config, REPO / "launch" / "configs" / "debug.yaml", overrides)
         started = time.perf_counter()
         assert run(cfg) == 0
         records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         keys = ("step", "loss", "distill_loss", "contrastive_loss", "false_negatives_count")
-        out[f"one_source_per_batch={one_source}"] = {
+        out[name] = {
             "wall_s": round(time.perf_counter() - started, 1),
             "steps": [{k: r.get(k) for k in keys} for r in records if "distill_loss" in r],
         }
