@@ -10,6 +10,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipeline.normalize import normalize_text
@@ -178,15 +179,58 @@ def test_field_paragraphs_is_cleaner_paragraphs():
         spaces = text._WHITESPACE_RE.match(c) and c not in extract._BREAKS
         return bool(text.CONTROL_RE.match(c) or text._FULL_WIDTH_RE.match(c) or spaces or c in "<&{}")
 
-    pattern = extract._needs_cleaning()
+    pattern = extract.NEEDS_CLEANING
     assert [cp for cp in range(0x110000) if pattern.match(chr(cp))] == [
         cp for cp in range(0x110000) if touched(chr(cp))
     ]
     rng = random.Random(4)
-    alphabet = "甲乙。，Ａ１ａ \u3000\u00a0\t\n\r\x0b\x1c\u2028\u200b<b>&amp;-{zh-cn:甲;zh-tw:乙}-（）"
+    alphabet = (
+        "甲乙。，Ａ１ａ \u3000\u00a0\t\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029\u200b"
+        "<b>&amp;-{zh-cn:甲;zh-tw:乙}-（）"
+    )
     texts = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 30))) for _ in range(4000)]
+    clean = "甲乙。，ab\n\r\u2028\u2029"  # clean lines, one or many: the shortcuts' own paths
+    texts += ["".join(rng.choice(clean) for _ in range(rng.randrange(0, 12))) for _ in range(2000)]
     for path in sorted((RESOURCES / "corpus" / "pairs").glob("*.gz")):
         texts += [v for line in gzip.open(path) for v in json.loads(line).values() if isinstance(v, str)]
     fast, slow = passes.Cleaner(), passes.Cleaner()
     assert [extract.field_paragraphs(fast, t) for t in texts] == [slow.paragraphs(t) for t in texts]
     assert fast.audit() == slow.audit()
+
+
+def test_pair_ids_and_group_ids_are_the_plain_blake2b():
+    import hashlib
+
+    def plain(text: str) -> int:
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+    texts = [t for t in _random_texts(700, 5) if not any(0xD800 <= ord(c) < 0xE000 for c in t)][:500]
+    assert len(texts) == 500
+    a_keys, p_keys = texts[:250], texts[250:]
+    expected = [plain(f"{a}\x1f{p}") for a, p in zip(a_keys, p_keys, strict=True)]
+    assert [extract.pair_id(a, p) for a, p in zip(a_keys, p_keys, strict=True)] == expected
+    ids = extract.pair_ids(a_keys, p_keys)
+    assert ids.dtype == np.uint64 and ids.tolist() == expected
+    assert extract.pair_ids([], []).tolist() == []
+    for source in ("news2016zh", "wiki_zh"):
+        assert [extract.group_id(source, t) for t in texts] == [plain(f"{source}\x1f{t}") for t in texts]
+
+
+def test_space_rules_written_space_first_match_the_lookbehind_forms():
+    """preprocess's whitespace rules, rewritten to start with the space (a fast literal scan), find the
+    same spaces as the forms that start with a lookbehind (kept here as the reference)."""
+    import re
+
+    from pipeline.stages.preprocess import text
+
+    latin, cjk = "A-Za-z\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u024f", text._CJK
+    drop = re.compile(rf"(?<![{latin}0-9.,;:!?%)\]'\"]) | (?![{latin}0-9(\['\"])")
+    gap = re.compile(rf"(?<=[{cjk}”」』）》]) (?=[{cjk}“「『（《])")
+    rng = random.Random(6)
+    alphabet = "  甲乙aZé0.,;:!?%)](['\"”」』）》“「『（《，。x"
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 16))) for _ in range(20000)]
+    for path in sorted((RESOURCES / "corpus" / "pairs").glob("*.gz")):
+        texts += [v for line in gzip.open(path) for v in json.loads(line).values() if isinstance(v, str)]
+    for t in texts:
+        assert text._DROP_SPACE_RE.sub("", t) == drop.sub("", t), t
+        assert [m.span() for m in text._CLAUSE_GAP_RE.finditer(t)] == [m.span() for m in gap.finditer(t)], t

@@ -104,10 +104,20 @@ class Candidate:
     positive_key: str | None = None  # key_text(positive) when ``sibling_duplicates`` computed it
 
 
+# blake2b states after a fixed prefix: copying one and hashing the rest is the hash of the whole
+# text, twice as fast as building a hasher per call (its keyword parameters are parsed each time).
+_GROUP_PREFIX: dict[str, Any] = {}
+_PAIR_HASHER = hashlib.blake2b(digest_size=8)
+
+
 def group_id(source: str, record_id: str) -> int:
-    """A stable 64-bit group id: blake2b of ``source`` and the record's id."""
-    digest = hashlib.blake2b(f"{source}\x1f{record_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+    """A stable 64-bit group id: blake2b of ``f"{source}\\x1f{record_id}"``."""
+    prefix = _GROUP_PREFIX.get(source)
+    if prefix is None:
+        prefix = _GROUP_PREFIX[source] = hashlib.blake2b(f"{source}\x1f".encode(), digest_size=8)
+    hasher = prefix.copy()
+    hasher.update(record_id.encode())
+    return int.from_bytes(hasher.digest(), "little")
 
 
 # --------------------------------------------------------------------------------------------- keys
@@ -239,6 +249,19 @@ def pair_id(anchor_key: str, positive_key: str) -> int:
     return int.from_bytes(digest, "little")
 
 
+def _digest(text: str) -> bytes:
+    hasher = _PAIR_HASHER.copy()
+    hasher.update(text.encode())
+    return hasher.digest()
+
+
+def pair_ids(anchor_keys: list[str], positive_keys: list[str]) -> np.ndarray:
+    """``[pair_id(a, p) for ...]`` as one uint64 array: the digests joined and read as little-endian
+    integers at once (tests/test_pairs_fast.py checks)."""
+    texts = [f"{a}\x1f{p}" for a, p in zip(anchor_keys, positive_keys, strict=True)]
+    return np.frombuffer(b"".join(map(_digest, texts)), dtype="<u8").astype(np.uint64)
+
+
 def _shingles(text: str, n: int = 3) -> set[str]:
     return {text[i : i + n] for i in range(max(1, len(text) - n + 1))}
 
@@ -258,25 +281,31 @@ def too_easy(a: str, b: str, prefix_ratio: float, jaccard: float) -> bool:
 
 # --------------------------------------------------------------------------------------------- fields
 _BREAKS = "\n\r\u2028\u2029"  # the line breaks of str.splitlines that cleaning leaves in place
-_NEEDS_CLEANING: re.Pattern | None = None
 
 
-def _needs_cleaning() -> re.Pattern:
-    """One class of every character some cleaning rule acts on: markup starts (``<``, ``&``, braces),
-    control and invisible characters, full-width forms, whitespace other than ``_BREAKS``."""
-    global _NEEDS_CLEANING
-    if _NEEDS_CLEANING is None:
-        spaces = [cp for cp in range(0x3001) if _WHITESPACE_RE.fullmatch(chr(cp)) and chr(cp) not in _BREAKS]
-        points = _CONTROL + _INVISIBLE + list(range(0xD800, 0xE000)) + list(_FULL_TO_HALF) + spaces
-        _NEEDS_CLEANING = re.compile(_char_class(points + [ord(c) for c in "<&{}"]))
-    return _NEEDS_CLEANING
+def _cleaning_points() -> list[int]:
+    """Every character some cleaning rule acts on: markup starts (``<``, ``&``, braces), control and
+    invisible characters, full-width forms, whitespace other than ``_BREAKS`` (which holds the other
+    line breaks of str.splitlines)."""
+    spaces = [cp for cp in range(0x3001) if _WHITESPACE_RE.fullmatch(chr(cp)) and chr(cp) not in _BREAKS]
+    points = _CONTROL + _INVISIBLE + list(range(0xD800, 0xE000)) + list(_FULL_TO_HALF) + spaces
+    return points + [ord(c) for c in "<&{}"]
+
+
+NEEDS_CLEANING = re.compile(_char_class(_cleaning_points()))  # built at import: 3 ms
+# the same or a line break: a value without one is a single clean line (one search tells)
+_CLEANING_OR_BREAK = re.compile(_char_class(_cleaning_points() + [ord(c) for c in _BREAKS]))
 
 
 def field_paragraphs(cleaner: Cleaner, value: str) -> list[str]:
-    """``cleaner.paragraphs(value)``; a value no cleaning rule touches (one search) is only cut into
-    its non-empty lines, the same list without the per-rule and per-line passes."""
-    if cleaner.converter is None and _needs_cleaning().search(value) is None:
-        return [line for line in value.splitlines() if line]
+    """``cleaner.paragraphs(value)``; a value no cleaning rule touches (one or two searches) is only
+    cut into its non-empty lines, the same list without the per-rule and per-line passes."""
+    if cleaner.converter is None:
+        found = _CLEANING_OR_BREAK.search(value)
+        if found is None:
+            return [value] if value else []
+        if NEEDS_CLEANING.search(value, found.start()) is None:
+            return [line for line in value.splitlines() if line]
     return cleaner.paragraphs(value)
 
 
@@ -304,27 +333,34 @@ def lead(
         paragraphs = paragraphs[:1]
     cut = raw_cut or cut_tail  # then an unterminated last sentence (of more than one) goes
     # A paragraph's sentences join back into it less its leading separators (``split_sentences``
-    # leaves no other character out), so when they all fit and the last one stays, no split is needed.
-    stripped = [p.lstrip(_LEADING) for p in paragraphs]
+    # leaves no other character out): a paragraph that fits whole is taken whole, unsplit.
+    stripped = [s for s in (p.lstrip(_LEADING) for p in paragraphs) if s]
     whole = "".join(stripped)
-    if len(whole) <= budget and (not cut or ends_sentence(whole)):
+    if len(whole) <= budget:
+        if not cut or not whole or ends_sentence(whole):
+            return whole, raw_cut
+        last = split_sentences(stripped[-1])  # cut by us (or by the corpus) mid-sentence: it goes,
+        if len(stripped) > 1 or len(last) > 1:  # unless it is the only sentence
+            return whole[: len(whole) - len(last[-1])], raw_cut
         return whole, raw_cut
-    # Else sentence by sentence, each paragraph split only when the budget reaches it.
+    # Else paragraph by paragraph; the one the budget ends in is split into sentences.
     out: list[str] = []
     total = 0
     for number, paragraph in enumerate(stripped):
+        if total + len(paragraph) <= budget:
+            out.append(paragraph)
+            total += len(paragraph)
+            continue
         sentences = split_sentences(paragraph)
         for index, sentence in enumerate(sentences):
             if out and total + len(sentence) > budget:
-                last = index == len(sentences) - 1 and not any(stripped[number + 1 :])
+                last = index == len(sentences) - 1 and number == len(stripped) - 1
                 if last and cut and not ends_sentence(sentence):
                     return "".join(out), raw_cut  # the unterminated last sentence went first
                 return "".join(out), True
             out.append(sentence)
             total += len(sentence)
-    if cut and len(out) > 1 and not ends_sentence(out[-1]):
-        out.pop()  # cut by us (or by the corpus) mid-sentence
-    return "".join(out), raw_cut
+    return "".join(out), raw_cut  # one sentence, longer than the budget
 
 
 def _string(obj: dict[str, Any], name: str) -> str:

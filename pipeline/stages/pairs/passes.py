@@ -18,6 +18,7 @@ MinHash-LSH over the character shingles of ``anchor_key + "\\x1f" + positive_key
 
 from __future__ import annotations
 
+import itertools
 import json
 import zipfile
 import zlib
@@ -38,7 +39,7 @@ from pipeline.stages.pairs.extract import (
     Candidate,
     PairRules,
     key_texts,
-    pair_id,
+    pair_ids,
     plain_pairs,
     sibling_duplicates,
     too_easy,
@@ -111,8 +112,7 @@ class _Writer:
         self.bands = _RoutedWriter(bands_path(work, index), _BAND_SCHEMA) if params.neardup else None
 
     def add(self, columns: dict[str, Any], keys_text: list[str]) -> None:
-        ids = np.array(columns["id"], dtype=np.uint64)
-        keys = shuffle_keys(ids, self.params.seed)
+        keys = shuffle_keys(columns["id"], self.params.seed)
         parts = partition_of(keys, self.params.num_partitions)
         table = pa.table({**{n: pa.array(columns[n], PAIR_SCHEMA.field(n).type) for n in PAIR_SCHEMA.names},
                           "part": parts})  # fmt: skip
@@ -183,9 +183,6 @@ def _filter_and_add(
         reason[(reason == 0) & a_masks[name]] = 1 + i
     for i, name in enumerate(SIDE_REASONS):
         reason[(reason == 0) & p_masks[name]] = 1 + len(SIDE_REASONS) + i
-    easy = 1 + PAIR_REASONS.index("too_easy")
-    columns: dict[str, list[Any]] = {n: [] for n in PAIR_SCHEMA.names}
-    keys_text: list[str] = []
     survivors = np.flatnonzero(reason == 0).tolist()
     a_keys = key_texts([anchors[i] for i in survivors])
     # a positive's key from the sibling rule holds unless the length filter repaired the text
@@ -195,20 +192,27 @@ def _filter_and_add(
     missing = [n for n, k in enumerate(p_keys) if k is None]
     for n, k in zip(missing, key_texts([positives[survivors[n]] for n in missing]), strict=True):
         p_keys[n] = k
-    for i, a_key, p_key in zip(survivors, a_keys, p_keys, strict=True):
-        c = candidates[i]
-        if too_easy(a_key, p_key, rules.easy_prefix_ratio, rules.easy_jaccard):
-            reason[i] = easy
-            continue
-        columns["id"].append(pair_id(a_key, p_key))
-        columns["text"].append(anchors[i])
-        columns["positive"].append(positives[i])
-        columns["kind"].append(c.kind)
-        columns["group"].append(c.group)
-        columns["batch_key"].append(c.batch_key)
-        if params.neardup is not None:
-            keys_text.append(f"{a_key}\x1f{p_key}")
-    columns["source"] = [source] * len(columns["id"])
+    easy = [
+        too_easy(a, p, rules.easy_prefix_ratio, rules.easy_jaccard)
+        for a, p in zip(a_keys, p_keys, strict=True)
+    ]
+    reason[list(itertools.compress(survivors, easy))] = 1 + PAIR_REASONS.index("too_easy")
+    kept = [not e for e in easy]
+    a_keys, p_keys = list(itertools.compress(a_keys, kept)), list(itertools.compress(p_keys, kept))
+    rows = list(itertools.compress(survivors, kept))
+    kept_candidates = [candidates[i] for i in rows]
+    columns = {
+        "id": pair_ids(a_keys, p_keys),
+        "text": [anchors[i] for i in rows],
+        "source": [source] * len(rows),
+        "positive": [positives[i] for i in rows],
+        "kind": [c.kind for c in kept_candidates],
+        "group": [c.group for c in kept_candidates],
+        "batch_key": [c.batch_key for c in kept_candidates],
+    }
+    keys_text: list[str] = []
+    if params.neardup is not None:
+        keys_text = [f"{a}\x1f{p}" for a, p in zip(a_keys, p_keys, strict=True)]
     for code, n in zip(*np.unique(reason, return_counts=True), strict=True):
         if code:
             name = PAIR_REASONS[code - 1]
@@ -216,10 +220,10 @@ def _filter_and_add(
             if samples.wants(name):
                 for i in np.flatnonzero(reason == code)[:_EXAMPLES].tolist():
                     samples.add(name, {"anchor": _short(anchors[i]), "positive": _short(positives[i])})
-    counts["kept_pass1"] += len(columns["id"])
+    counts["kept_pass1"] += len(rows)
     for kind, n in Counter(columns["kind"]).items():  # the kept pairs' kinds
         counts[f"kind:{kind}"] += n
-    if columns["id"]:
+    if rows:
         writer.add(columns, keys_text)
     progress(len(candidates))
 
@@ -291,7 +295,8 @@ def _read_unit(
             for c, dropped in zip(tail, verdicts, strict=True):
                 if dropped:  # the lead says it too, in whole sentences (already in pairs_extracted)
                     counts["sibling_duplicate"] += 1
-                    samples.add("sibling_duplicate", _short(c.positive))
+                    if samples.wants("sibling_duplicate"):
+                        samples.add("sibling_duplicate", _short(c.positive))
             del candidates[settled:]
             candidates += [c for c, dropped in zip(tail, verdicts, strict=True) if not dropped]
         settled = len(candidates)

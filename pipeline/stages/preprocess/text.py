@@ -68,12 +68,14 @@ _CJK = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
 _LATIN = "A-Za-z\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u024f"
 # A space survives only between two pieces of Latin text ("Windows 10", "René Worms"); every other
 # space (next to a Chinese character or Chinese punctuation) is removed, as in LUSE's corpus.
-_DROP_SPACE_RE = re.compile(rf"(?<![{_LATIN}0-9.,;:!?%)\]'\"]) | (?![{_LATIN}0-9(\['\"])")
+# Written space first (the lookbehind then spans the space too): sre finds a pattern that starts with
+# a literal by a fast scan, one that starts with a lookbehind by trying every position (3x slower).
+_DROP_SPACE_RE = re.compile(rf" (?:(?<![{_LATIN}0-9.,;:!?%)\]'\"] )|(?![{_LATIN}0-9(\['\"]))")
 # A space between two Chinese clauses (web QA text often separates clauses with a space instead of
 # a comma: "故宫淡季门票40元 “黑导游”卖外地客140元"). It becomes "，" when the spaces in the line are
 # rare (on average at least CLAUSE_CHARS Chinese characters per piece); a line with a space every
 # word or two is word-segmented text, whose spaces are simply removed.
-_CLAUSE_GAP_RE = re.compile(rf"(?<=[{_CJK}”」』）》]) (?=[{_CJK}“「『（《])")
+_CLAUSE_GAP_RE = re.compile(rf" (?<=[{_CJK}”」』）》] )(?=[{_CJK}“「『（《])")  # space first: as above
 CLAUSE_CHARS = 6
 
 # --------------------------------------------------------------------------------------------- markup
