@@ -234,3 +234,38 @@ def test_space_rules_written_space_first_match_the_lookbehind_forms():
     for t in texts:
         assert text._DROP_SPACE_RE.sub("", t) == drop.sub("", t), t
         assert [m.span() for m in text._CLAUSE_GAP_RE.finditer(t)] == [m.span() for m in gap.finditer(t)], t
+
+
+def test_parse_json_is_json_loads():
+    """Values and error messages: the record audit quotes the error."""
+    lines = [
+        '{"a": "甲", "b": [1, 2.5, null]}\n',
+        '{"a": 1}',
+        '{"a": 1}\r\n',
+        ' {"a": 1}\n',
+        '{"a": 1} \n',
+        '{"a": 1}\n\n',
+        '{"a": 1} x\n',
+        '{"a": 1}{"b": 2}\n',
+        "\ufeff{}\n",
+        '"text"\n',
+        "[1, 2]\n",
+        "12\n",
+        "{'a': 1}\n",
+        '{"a": }\n',
+        '{"a": "\\ud800"}\n',
+        '{"a": "\\x"}\n',
+        "nul\n",
+        "\n",
+        "",
+    ]
+    for line in lines:
+        try:
+            expected = ("value", json.loads(line))
+        except ValueError as exc:
+            expected = ("error", str(exc))
+        try:
+            got = ("value", passes._parse_json(line))
+        except ValueError as exc:
+            got = ("error", str(exc))
+        assert got == expected, line

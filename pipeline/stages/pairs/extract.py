@@ -334,7 +334,7 @@ def lead(
     cut = raw_cut or cut_tail  # then an unterminated last sentence (of more than one) goes
     # A paragraph's sentences join back into it less its leading separators (``split_sentences``
     # leaves no other character out): a paragraph that fits whole is taken whole, unsplit.
-    stripped = [s for s in (p.lstrip(_LEADING) for p in paragraphs) if s]
+    stripped = [s for p in paragraphs if (s := p.lstrip(_LEADING))]
     whole = "".join(stripped)
     if len(whole) <= budget:
         if not cut or not whole or ends_sentence(whole):

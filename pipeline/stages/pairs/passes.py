@@ -260,6 +260,22 @@ def split_unit(work: Path, index: int, unit: Unit, params: PairParams, progress:
     return result
 
 
+_SCAN_ONCE = json.JSONDecoder().scan_once  # what json.loads runs, less its checks
+
+
+def _parse_json(text: str) -> Any:
+    """``json.loads(text)``, a third faster on a line that is one JSON value and its line break: the
+    decoder's scanner called directly. Anything else (leading whitespace, a BOM, trailing data, an
+    error) goes to ``json.loads``, for its value or its error message."""
+    try:
+        value, end = _SCAN_ONCE(text, 0)
+    except (StopIteration, ValueError):
+        return json.loads(text)
+    if end == len(text) or text[end:] in ("\n", "\r\n"):
+        return value
+    return json.loads(text)
+
+
 def _read_unit(
     unit: Unit,
     params: PairParams,
@@ -301,10 +317,10 @@ def _read_unit(
             candidates += [c for c, dropped in zip(tail, verdicts, strict=True) if not dropped]
         settled = len(candidates)
 
-    number = 0
+    number = records = with_pairs = extracted = 0  # counted here, into ``counts`` at the end: cheaper
     try:
         for number, line, _ in iter_lines(unit, params.max_record_bytes):
-            counts["records"] += 1
+            records += 1
             if line is None:
                 bad(number, "too_long_record", f"longer than max_record_bytes={params.max_record_bytes}")
                 continue
@@ -322,7 +338,7 @@ def _read_unit(
                 found = plain_pairs(text, cleaner, params.rules)
             else:
                 try:
-                    obj = json.loads(text)
+                    obj = _parse_json(text)
                 except ValueError as exc:
                     bad(number, "bad_json", str(exc))
                     continue
@@ -337,8 +353,8 @@ def _read_unit(
             if not found:
                 counts["empty"] += 1
                 continue
-            counts["records_with_pairs"] += 1
-            counts["pairs_extracted"] += len(found)
+            with_pairs += 1
+            extracted += len(found)
             candidates += found
             # a batch is the records up to the first that brings FLUSH_PAIRS pairs past the sibling
             # rule: settled only when the count with the undecided ones reaches it (log-many times)
@@ -349,6 +365,9 @@ def _read_unit(
                     candidates, settled = [], 0
     except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
         bad(number + 1, "unreadable", f"stream cannot be read further ({exc}); later records are lost")
+    for name, n in (("records", records), ("records_with_pairs", with_pairs), ("pairs_extracted", extracted)):
+        if n:  # a Counter keeps a key given 0: added only when there is something to add
+            counts[name] += n
     settle()
     if candidates:
         _filter_and_add(source, candidates, params, counts, writer, cleaner, samples, progress)
