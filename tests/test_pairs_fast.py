@@ -67,6 +67,16 @@ def test_key_texts_is_key_text():
         got = [k for i in range(0, len(texts), size) for k in key_texts(texts[i : i + size])]
         assert got == expected, size
     assert key_texts([]) == []
+    # what the sibling rule relies on: a text mapped code unit by code unit has its prefixes' keys
+    # as prefixes of its key
+    assert extract._mapped_keys(texts)[1] == [False] * len(texts)  # EDGE holds the separator
+    texts = [t for t in texts if extract._SEP not in t]
+    keys, by_map = extract._mapped_keys(texts)
+    assert keys == [key_text(t) for t in texts] and 0 < by_map.count(False) < len(texts) // 2
+    for text, key, mapped in zip(texts, keys, by_map, strict=True):
+        if mapped:
+            for cut in {1, 2, len(text) // 3, len(text) // 2, len(text) - 1}:
+                assert key.startswith(key_text(text[:cut])), (text, cut)
 
 
 def test_key_map_covers_the_bmp():

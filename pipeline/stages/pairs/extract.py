@@ -226,21 +226,30 @@ def key_texts(texts: list[str]) -> list[str]:
     """``[key_text(t) for t in texts]``, vectorised: the batch joined, encoded as UTF-16 once and
     mapped code unit by code unit through ``_key_map``; a text with a character the map cannot
     decide alone goes to ``key_text`` itself. The same strings (tests/test_pairs_fast.py checks)."""
+    return _mapped_keys(texts)[0]
+
+
+def _mapped_keys(texts: list[str]) -> tuple[list[str], list[bool]]:
+    """``key_texts(texts)`` and, for each text, whether its key is its code units mapped one by one
+    through ``_key_map`` (no character went to ``key_text``): then the key of any prefix of the
+    text is the same prefix of its key."""
     if not texts:
-        return []
+        return [], []
     joined = _SEP.join(texts)
     if joined.count(_SEP) != len(texts) - 1:  # a text holds the separator itself
-        return [key_text(t) for t in texts]
+        return [key_text(t) for t in texts], [False] * len(texts)
     codes = np.frombuffer(joined.encode("utf-16-le", "surrogatepass"), dtype="<u2")
     mapped = _key_map()[codes]
     kept = mapped[mapped < _SPECIAL]
     keys = kept.tobytes().decode("utf-16-le").split(_SEP)
+    by_map = [True] * len(texts)
     special = np.flatnonzero(mapped == _SPECIAL)
     if len(special):
         seps = np.flatnonzero(codes == ord(_SEP))
         for i in np.unique(np.searchsorted(seps, special)).tolist():
             keys[i] = key_text(texts[i])
-    return keys
+            by_map[i] = False
+    return keys, by_map
 
 
 def pair_id(anchor_key: str, positive_key: str) -> int:
@@ -412,18 +421,26 @@ def _news(obj: dict[str, Any], cleaner: Cleaner, rules: PairRules, note: Any) ->
 def sibling_duplicates(candidates: list[Candidate], rules: PairRules) -> list[bool]:
     """For each candidate with a ``sibling`` (news2016zh's title-desc): whether its desc is a prefix
     of the record's lead or too easy against it (module docstring); False for the others. Both
-    sides' keys stay on the candidates (``positive_key``) for the pair rules."""
+    sides' keys stay on the candidates (``positive_key``) for the pair rules, but for a dropped desc:
+    one that is a prefix of its lead as written, when the lead's key is its code units mapped one by
+    one (``_mapped_keys``), needs no key of its own: its key is a prefix of the lead's."""
     pending = [c for c in candidates if c.sibling is not None]
     if not pending:
         return [False] * len(candidates)
-    leads = [c.sibling for c in pending]
-    keys = key_texts([c.positive for c in pending] + [s.positive for s in leads])  # type: ignore[union-attr]
-    verdicts = iter(
-        bool(s.positive) and (b.startswith(d) or too_easy(d, b, rules.easy_prefix_ratio, rules.easy_jaccard))
-        for s, d, b in zip(leads, keys[: len(pending)], keys[len(pending) :], strict=True)  # type: ignore[union-attr]
-    )
-    for c, s, d, b in zip(pending, leads, keys[: len(pending)], keys[len(pending) :], strict=True):
-        c.positive_key, s.positive_key = d, b  # type: ignore[union-attr]
+    leads: list[Candidate] = [c.sibling for c in pending]  # type: ignore[misc]
+    lead_keys, by_map = _mapped_keys([s.positive for s in leads])
+    for s, b in zip(leads, lead_keys, strict=True):
+        s.positive_key = b
+    dropped = [
+        m and bool(s.positive) and s.positive.startswith(c.positive)
+        for c, s, m in zip(pending, leads, by_map, strict=True)
+    ]
+    rest = [n for n, d in enumerate(dropped) if not d]
+    for n, d in zip(rest, key_texts([pending[n].positive for n in rest]), strict=True):
+        pending[n].positive_key, b = d, lead_keys[n]
+        easy = b.startswith(d) or too_easy(d, b, rules.easy_prefix_ratio, rules.easy_jaccard)
+        dropped[n] = bool(leads[n].positive) and easy
+    verdicts = iter(dropped)
     return [next(verdicts) if c.sibling is not None else False for c in candidates]
 
 
