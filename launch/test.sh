@@ -9,4 +9,9 @@ if ! bash launch/slurm/local_cluster.sh start >/tmp/local_cluster.log 2>&1; then
 fi
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
 .venv/bin/ruff check pipeline launch tests benchmarks
-.venv/bin/python -m pytest -q "$@"
+# Two worker processes (pytest-xdist), a test file's tests on one worker (module fixtures built once);
+# TEST_WORKERS=1 runs them in this process, one after another.
+WORKERS=${TEST_WORKERS:-2}
+PARALLEL=()
+if [ "$WORKERS" -gt 1 ]; then PARALLEL=(-n "$WORKERS" --dist loadfile); fi
+.venv/bin/python -m pytest -q "${PARALLEL[@]}" "$@"

@@ -103,6 +103,18 @@ def restore_process_state(request):
         _restore(saved)
 
 
+def pytest_sessionfinish(session):
+    """Under pytest-xdist (launch/test.sh) a worker hands its list to the controller, which prints it."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["changed_state"] = list(_changed)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent where pytest-xdist is not installed
+def pytest_testnodedown(node, error):  # the controller, once per finished xdist worker
+    _changed.extend(getattr(node, "workeroutput", {}).get("changed_state", []))
+
+
 def pytest_terminal_summary(terminalreporter):
     if _changed:
         terminalreporter.section("process-wide state changed by a test (restored after it)")
