@@ -175,6 +175,12 @@ def arm_args(arm: str, seed: int, steps: int) -> list[str]:
         "pairs": [*mixed, "--loss=[{pairs: {temperature: 0.05}}]"],
         "distill_pairs": [*mixed, both],
         "distill_pairs_w001": [*mixed, both.replace("weight: 0.1}", "weight: 0.01}")],
+        # the sweep around it: a softer pairs term (tau 0.1) at weight 0.01, and weight 0.003 at tau 0.05
+        "distill_pairs_w001_t01": [
+            *mixed,
+            both.replace("weight: 0.1}", "weight: 0.01}").replace("temperature: 0.05", "temperature: 0.1"),
+        ],
+        "distill_pairs_w0003": [*mixed, both.replace("weight: 0.1}", "weight: 0.003}")],
         "distill_pairs_onesource": [f"--data.shards={pairs}", "--data.one_source_per_batch=true", both],
         # LUSE's multi-positive loss on the pairs (docs/pairs.md, "LUSE on pairs") beside distillation, at
         # distill_pairs_w001's weight: 0.1 of the pairs term cost 3.6 avg5 (3 seeds) and luse is an InfoNCE
