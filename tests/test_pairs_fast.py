@@ -201,11 +201,13 @@ def test_field_paragraphs_is_cleaner_paragraphs():
     texts = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 30))) for _ in range(4000)]
     clean = "甲乙。，ab\n\r\u2028\u2029"  # clean lines, one or many: the shortcuts' own paths
     texts += ["".join(rng.choice(clean) for _ in range(rng.randrange(0, 12))) for _ in range(2000)]
+    spaced = "甲乙丙丁戊己庚辛“”。，ab1 "  # one line whose only cleaning is its spaces (clause commas too)
+    texts += ["".join(rng.choice(spaced) for _ in range(rng.randrange(0, 40))) for _ in range(4000)]
     for path in sorted((RESOURCES / "corpus" / "pairs").glob("*.gz")):
         texts += [v for line in gzip.open(path) for v in json.loads(line).values() if isinstance(v, str)]
     fast, slow = passes.Cleaner(), passes.Cleaner()
     assert [extract.field_paragraphs(fast, t) for t in texts] == [slow.paragraphs(t) for t in texts]
-    assert fast.audit() == slow.audit()
+    assert fast.audit() == slow.audit() and slow.rules["clause_spaces"] > 100
 
 
 def test_pair_ids_and_group_ids_are_the_plain_blake2b():

@@ -302,17 +302,26 @@ def _cleaning_points() -> list[int]:
 
 
 NEEDS_CLEANING = re.compile(_char_class(_cleaning_points()))  # built at import: 3 ms
-# the same or a line break: a value without one is a single clean line (one search tells)
+# the same or a line break: a value without one is a single clean line (one search tells); the
+# same less the space: a value without one, but with spaces, is a single line that needs only
+# ``Cleaner.line_spaces`` (no markup, control, full-width or other whitespace character)
 _CLEANING_OR_BREAK = re.compile(_char_class(_cleaning_points() + [ord(c) for c in _BREAKS]))
+_CLEANING_OR_BREAK_BUT_SPACE = re.compile(
+    _char_class([cp for cp in _cleaning_points() if cp != ord(" ")] + [ord(c) for c in _BREAKS])
+)
 
 
 def field_paragraphs(cleaner: Cleaner, value: str) -> list[str]:
     """``cleaner.paragraphs(value)``; a value no cleaning rule touches (one or two searches) is only
-    cut into its non-empty lines, the same list without the per-rule and per-line passes."""
+    cut into its non-empty lines, one line whose only such characters are spaces gets only the
+    whitespace rules: the same list (and audit) without the per-rule and per-line passes."""
     if cleaner.converter is None:
         found = _CLEANING_OR_BREAK.search(value)
         if found is None:
             return [value] if value else []
+        if value[found.start()] == " " and _CLEANING_OR_BREAK_BUT_SPACE.search(value, found.end()) is None:
+            line = cleaner.line_spaces(value)
+            return [line] if line else []
         if NEEDS_CLEANING.search(value, found.start()) is None:
             return [line for line in value.splitlines() if line]
     return cleaner.paragraphs(value)

@@ -415,14 +415,19 @@ class Cleaner:
         """One cleaned field value -> its paragraphs (lines), whitespace handled."""
         out = []
         for line in self.clean_field(text).splitlines():
-            if _WHITESPACE_RE.search(line) is not None:
-                cleaned = remove_whitespace(line)
-                if "，" in cleaned and cleaned.count("，") > line.count("，"):
-                    self._note("clause_spaces", line, cleaned)
-                line = cleaned
+            line = self.line_spaces(line)
             if line:
                 out.append(line)
         return out
+
+    def line_spaces(self, line: str) -> str:
+        """``remove_whitespace`` on one line; spaces that became clause commas are counted."""
+        if _WHITESPACE_RE.search(line) is None:
+            return line
+        cleaned = remove_whitespace(line)
+        if "，" in cleaned and cleaned.count("，") > line.count("，"):
+            self._note("clause_spaces", line, cleaned)
+        return cleaned
 
     def audit(self) -> dict[str, Any]:
         return {"rules": dict(sorted(self.rules.items())), "samples": dict(sorted(self.samples.items()))}
