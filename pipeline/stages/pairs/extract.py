@@ -184,12 +184,13 @@ _KEY_MAP: np.ndarray | None = None
 
 
 def _key_map() -> np.ndarray:
-    """What ``key_text`` makes of each UTF-16 code unit of a text it does not normalise: the one
-    BMP character it becomes (its ASCII compatibility decomposition, case-folded, when that leaves
-    one character; else itself case-folded), ``_DROPPED`` (a P/Z/C character, or a decomposition of
-    only such) or ``_SPECIAL``: the character needs the whole text (NFKC may change it or a
-    neighbour: not NFKC quick-check Yes, or a combining mark; a multi-character case folding or
-    decomposition; a surrogate, i.e. an astral character or a lone surrogate)."""
+    """What ``key_text`` makes of each character of a text it does not normalise, by code point
+    (the last entry, 0x10000, stands for every astral one): the one BMP character it becomes (its
+    ASCII compatibility decomposition, case-folded, when that leaves one character; else itself
+    case-folded), ``_DROPPED`` (a P/Z/C character, or a decomposition of only such) or ``_SPECIAL``:
+    the character needs the whole text (NFKC may change it or a neighbour: not NFKC quick-check
+    Yes, or a combining mark; a multi-character case folding or decomposition; an astral character
+    or a lone surrogate). Little-endian uint32, as the UTF-32 it maps."""
     global _KEY_MAP
     if _KEY_MAP is None:
         _, table = _compat()
@@ -218,30 +219,31 @@ def _key_map() -> np.ndarray:
                     continue  # and the two markers: the few characters past them go whole
                 out[cp] = _DROPPED if dropped(folded) else ord(folded)
         out[ord(_SEP)] = ord(_SEP)
-        _KEY_MAP = out
+        _KEY_MAP = np.append(out, _SPECIAL).astype("<u4")
     return _KEY_MAP
 
 
 def key_texts(texts: list[str]) -> list[str]:
-    """``[key_text(t) for t in texts]``, vectorised: the batch joined, encoded as UTF-16 once and
-    mapped code unit by code unit through ``_key_map``; a text with a character the map cannot
+    """``[key_text(t) for t in texts]``, vectorised: the batch joined, encoded as UTF-32 once and
+    mapped character by character through ``_key_map``; a text with a character the map cannot
     decide alone goes to ``key_text`` itself. The same strings (tests/test_pairs_fast.py checks)."""
     return _mapped_keys(texts)[0]
 
 
 def _mapped_keys(texts: list[str]) -> tuple[list[str], list[bool]]:
-    """``key_texts(texts)`` and, for each text, whether its key is its code units mapped one by one
+    """``key_texts(texts)`` and, for each text, whether its key is its characters mapped one by one
     through ``_key_map`` (no character went to ``key_text``): then the key of any prefix of the
-    text is the same prefix of its key."""
+    text is a prefix of its key."""
     if not texts:
         return [], []
     joined = _SEP.join(texts)
     if joined.count(_SEP) != len(texts) - 1:  # a text holds the separator itself
         return [key_text(t) for t in texts], [False] * len(texts)
-    codes = np.frombuffer(joined.encode("utf-16-le", "surrogatepass"), dtype="<u2")
-    mapped = _key_map()[codes]
+    # UTF-32 (not 16): encoded and decoded twice as fast; a lone surrogate passes as itself
+    codes = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+    mapped = _key_map()[np.minimum(codes, 0x10000)]
     kept = mapped[mapped < _SPECIAL]
-    keys = kept.tobytes().decode("utf-16-le").split(_SEP)
+    keys = kept.tobytes().decode("utf-32-le").split(_SEP)
     by_map = [True] * len(texts)
     special = np.flatnonzero(mapped == _SPECIAL)
     if len(special):
@@ -431,7 +433,7 @@ def sibling_duplicates(candidates: list[Candidate], rules: PairRules) -> list[bo
     """For each candidate with a ``sibling`` (news2016zh's title-desc): whether its desc is a prefix
     of the record's lead or too easy against it (module docstring); False for the others. Both
     sides' keys stay on the candidates (``positive_key``) for the pair rules, but for a dropped desc:
-    one that is a prefix of its lead as written, when the lead's key is its code units mapped one by
+    one that is a prefix of its lead as written, when the lead's key is its characters mapped one by
     one (``_mapped_keys``), needs no key of its own: its key is a prefix of the lead's."""
     pending = [c for c in candidates if c.sibling is not None]
     if not pending:
