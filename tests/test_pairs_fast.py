@@ -203,6 +203,8 @@ def test_field_paragraphs_is_cleaner_paragraphs():
     texts += ["".join(rng.choice(clean) for _ in range(rng.randrange(0, 12))) for _ in range(2000)]
     spaced = "甲乙丙丁戊己庚辛“”。，ab1 "  # one line whose only cleaning is its spaces (clause commas too)
     texts += ["".join(rng.choice(spaced) for _ in range(rng.randrange(0, 40))) for _ in range(4000)]
+    spaced += "\u3000\n\r"  # and many lines, ideographic spaces too (normalised to spaces first)
+    texts += ["".join(rng.choice(spaced) for _ in range(rng.randrange(0, 60))) for _ in range(4000)]
     for path in sorted((RESOURCES / "corpus" / "pairs").glob("*.gz")):
         texts += [v for line in gzip.open(path) for v in json.loads(line).values() if isinstance(v, str)]
     fast, slow = passes.Cleaner(), passes.Cleaner()

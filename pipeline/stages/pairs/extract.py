@@ -304,28 +304,29 @@ def _cleaning_points() -> list[int]:
 
 
 NEEDS_CLEANING = re.compile(_char_class(_cleaning_points()))  # built at import: 3 ms
-# the same or a line break: a value without one is a single clean line (one search tells); the
-# same less the space: a value without one, but with spaces, is a single line that needs only
-# ``Cleaner.line_spaces`` (no markup, control, full-width or other whitespace character)
+# the same or a line break: a value without one is a single clean line (one search tells)
 _CLEANING_OR_BREAK = re.compile(_char_class(_cleaning_points() + [ord(c) for c in _BREAKS]))
-_CLEANING_OR_BREAK_BUT_SPACE = re.compile(
-    _char_class([cp for cp in _cleaning_points() if cp != ord(" ")] + [ord(c) for c in _BREAKS])
-)
+# the same less the spaces (" ", and "\u3000" which cleaning makes one): a value whose only cleaning
+# characters are those needs only ``Cleaner.line_spaces`` on each line (no markup, control,
+# full-width or other whitespace character)
+_SPACES = " \u3000"
+_CLEANING_BUT_SPACES = re.compile(_char_class(cp for cp in _cleaning_points() if chr(cp) not in _SPACES))
 
 
 def field_paragraphs(cleaner: Cleaner, value: str) -> list[str]:
     """``cleaner.paragraphs(value)``; a value no cleaning rule touches (one or two searches) is only
-    cut into its non-empty lines, one line whose only such characters are spaces gets only the
-    whitespace rules: the same list (and audit) without the per-rule and per-line passes."""
+    cut into its non-empty lines, one whose only such characters are spaces gets only the whitespace
+    rules: the same list (and audit) without the per-rule passes."""
     if cleaner.converter is None:
         found = _CLEANING_OR_BREAK.search(value)
         if found is None:
             return [value] if value else []
-        if value[found.start()] == " " and _CLEANING_OR_BREAK_BUT_SPACE.search(value, found.end()) is None:
-            line = cleaner.line_spaces(value)
-            return [line] if line else []
-        if NEEDS_CLEANING.search(value, found.start()) is None:
+        dirt = NEEDS_CLEANING.search(value, found.start())
+        if dirt is None:
             return [line for line in value.splitlines() if line]
+        if _CLEANING_BUT_SPACES.search(value, dirt.start()) is None:
+            lines = value.replace("\u3000", " ").splitlines()  # normalise's one change here
+            return [line for line in map(cleaner.line_spaces, lines) if line]
     return cleaner.paragraphs(value)
 
 
