@@ -283,3 +283,22 @@ def test_parse_json_is_json_loads():
         except ValueError as exc:
             got = ("error", str(exc))
         assert got == expected, line
+
+
+def test_cyclic_gc_pause_restores_the_state():
+    import gc
+
+    assert gc.isenabled()
+    with passes._cyclic_gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), passes._cyclic_gc_paused():
+        raise RuntimeError("a unit failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with passes._cyclic_gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller that turned it off keeps it off
+    finally:
+        gc.enable()
