@@ -31,8 +31,14 @@ runs/sample/ from launch/run_sample.sh first)::
         --arms pairs,distill_corpus,distill_pairs_onesource,distill_pairs_w001 --seeds 0
     .venv/bin/python benchmarks/pairs_study.py score && .venv/bin/python benchmarks/pairs_study.py report
 
-The ``luse_pairs`` arm (distillation + luse on the pairs, weight 0.01) was added after that report and
-has not run yet: ``run --arms distill_pairtexts,luse_pairs --seeds 0,1,2`` compares it with the control.
+Later sessions ran, on the same prepared data (``prepare --per-source 2000 --top-k 0 2``)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pairs_study.py run --steps 100 \
+        --arms luse_pairs --seeds 0,1,2
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pairs_study.py run --steps 100 \
+        --arms distill_pairs_w001_top2,distill_pairtexts_top2 --seeds 0
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pairs_study.py run --steps 100 \
+        --arms distill_pairs_w001,distill_pairs_w001_t01,distill_pairs_w0003 --seeds 0,1,2
 """
 
 from __future__ import annotations
