@@ -254,16 +254,15 @@ def _mapped_keys(texts: list[str]) -> tuple[list[str], list[bool]]:
     return keys, by_map
 
 
-def pair_id(anchor_key: str, positive_key: str) -> int:
-    """The pair's 64-bit id: blake2b of the two ``key_text`` forms (the exact-dedup key)."""
-    digest = hashlib.blake2b(f"{anchor_key}\x1f{positive_key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
 def _digest(text: str) -> bytes:
     hasher = _PAIR_HASHER.copy()
     hasher.update(text.encode())
     return hasher.digest()
+
+
+def pair_id(anchor_key: str, positive_key: str) -> int:
+    """The pair's 64-bit id: blake2b of the two ``key_text`` forms (the exact-dedup key)."""
+    return int.from_bytes(_digest(f"{anchor_key}\x1f{positive_key}"), "little")
 
 
 def pair_ids(anchor_keys: list[str], positive_keys: list[str]) -> np.ndarray:
@@ -303,14 +302,15 @@ def _cleaning_points() -> list[int]:
     return points + [ord(c) for c in "<&{}"]
 
 
-NEEDS_CLEANING = re.compile(_char_class(_cleaning_points()))  # built at import: 3 ms
+_CLEANING_POINTS = _cleaning_points()
+NEEDS_CLEANING = re.compile(_char_class(_CLEANING_POINTS))  # built at import: 3 ms
 # the same or a line break: a value without one is a single clean line (one search tells)
-_CLEANING_OR_BREAK = re.compile(_char_class(_cleaning_points() + [ord(c) for c in _BREAKS]))
+_CLEANING_OR_BREAK = re.compile(_char_class(_CLEANING_POINTS + [ord(c) for c in _BREAKS]))
 # the same less the spaces (" ", and "\u3000" which cleaning makes one): a value whose only cleaning
 # characters are those needs only ``Cleaner.line_spaces`` on each line (no markup, control,
 # full-width or other whitespace character)
 _SPACES = " \u3000"
-_CLEANING_BUT_SPACES = re.compile(_char_class(cp for cp in _cleaning_points() if chr(cp) not in _SPACES))
+_CLEANING_BUT_SPACES = re.compile(_char_class(cp for cp in _CLEANING_POINTS if chr(cp) not in _SPACES))
 
 
 def field_paragraphs(cleaner: Cleaner, value: str) -> list[str]:
