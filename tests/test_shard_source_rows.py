@@ -53,7 +53,7 @@ def assert_same(new: dict[str, Any], old: dict[str, list[Any]]) -> None:
 
 @pytest.fixture(scope="module")
 def stage_shards(tmp_path_factory) -> dict[str, Path]:
-    """The bundled corpus's first lines through the stages' command lines, as launch/run_sample.sh runs them."""
+    """The bundled corpus's first lines through the stages' command lines, as run_sample.sh runs them."""
     root = tmp_path_factory.mktemp("real")
     corpus = root / "corpus.txt"
     corpus.write_text("\n".join(SAMPLE_CORPUS.read_text(encoding="utf-8").splitlines()[:120]) + "\n", "utf-8")
