@@ -57,6 +57,7 @@ import os
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -696,6 +697,15 @@ def run(args: argparse.Namespace) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="gpu_step-"))
     try:
+        if args.deepspeed_only:  # the child of deepspeed_child
+            section(
+                sections,
+                "deepspeed_zero2",
+                budget,
+                0,
+                lambda: deepspeed_section(args, work, device, None, peak),
+            )
+            return 0
         lengths = {m: shard_length(args.data / MODELS[m][1]) for m in args.models}
         tokens = sorted({b * lengths[m] for m in args.models for b in args.batches})
         gemm = section(sections, "gemm", budget, 5, lambda: gemm_peaks(tokens, device, args.smoke))
@@ -716,8 +726,12 @@ def run(args: argparse.Namespace) -> int:
                 )
                 section(sections, f"step/{which}/b{b}", budget, estimate, measure)
                 save()
-        variants = [(f"compile={m}", [f"--train.compile={m}"]) for m in args.compile]
-        variants += [("unpadded", ["--train.unpadded=true"])] * args.unpadded
+        if args.deepspeed:
+            section(sections, "deepspeed_zero2", budget, 30 if args.smoke else 60,
+                    lambda: deepspeed_child(args, budget, work))  # fmt: skip
+            save()
+        variants = [("unpadded", ["--train.unpadded=true"])] * args.unpadded  # then each compile mode
+        variants += [(f"compile={m}", [f"--train.compile={m}"]) for m in args.compile]
         for label, extra in variants:
             for which in args.models:
                 b = args.detail_batch
@@ -726,15 +740,32 @@ def run(args: argparse.Namespace) -> int:
                 )
                 section(sections, f"{label}/{which}/b{b}", budget, 30 if args.smoke else 90, measure)
                 save()
-        if args.deepspeed:
-            section(sections, "deepspeed_zero2", budget, 20 if args.smoke else 60,
-                    lambda: deepspeed_section(args, work, device, gemm, peak))  # fmt: skip
-            save()
     finally:
         save()
         shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {out} ({results['elapsed_s']} s)")
     return 0
+
+
+def deepspeed_child(args: argparse.Namespace, budget: Budget, work: Path) -> dict[str, Any]:
+    """The DeepSpeed section in a child process with a timeout: DeepSpeed's process group and engine
+    stay out of this process, and a hang costs the rest of the budget at most ``--deepspeed_timeout_s``."""
+    out = work / "deepspeed.json"
+    argv = (
+        [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]] if sys.argv[1:2] == ["run"] else None
+    )
+    if argv is None:  # called as a function (tests): rebuild the command line from the parsed arguments
+        raise RuntimeError("the DeepSpeed section runs from the command line only")
+    argv = [a for a in argv if a != "--deepspeed"] + ["--deepspeed_only", "--out", str(out)]
+    timeout = max(10.0, min(args.deepspeed_timeout_s, budget.left() - 10))
+    try:
+        done = subprocess.run(argv, timeout=timeout, capture_output=True, text=True, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s (DeepSpeed start-up or step hung)"}
+    if not out.is_file():
+        return {"error": f"exited {done.returncode} without results", "stderr_tail": done.stderr[-2000:]}
+    record = json.loads(out.read_text())["sections"].get("deepspeed_zero2", {})
+    return {**record, "child_exit": done.returncode}
 
 
 def deepspeed_section(
@@ -808,13 +839,15 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--profile_steps", type=int, default=3)
     pr.add_argument("--sync_steps", type=int, default=20)
     pr.add_argument("--loader_workers", type=int, nargs="*", default=[8], help="loader alone (none: skip)")
-    pr.add_argument("--loader_batch", type=int, default=1024)
+    pr.add_argument("--loader_batch", type=int, default=512, help="several batches per worker per epoch")
     pr.add_argument("--loader_repeats", type=int, default=2)
     pr.add_argument(
         "--compile", nargs="*", default=[], help="train.compile modes to try (e.g. default reduce-overhead)"
     )
     pr.add_argument("--unpadded", action="store_true", help="also the step with train.unpadded=true")
     pr.add_argument("--deepspeed", action="store_true", help="also the student's step under ZeRO-2")
+    pr.add_argument("--deepspeed_timeout_s", type=float, default=150.0, help="the DeepSpeed child's limit")
+    pr.add_argument("--deepspeed_only", action="store_true", help=argparse.SUPPRESS)
     pr.add_argument("--smoke", action="store_true", help="CPU, tiny: the prepared tiny data, a few steps")
     pr.add_argument("--allow_cpu", action="store_true", help="full sizes on CPU (slow; for checks)")
     args = p.parse_args(argv)
