@@ -43,7 +43,7 @@ def test_smoke_run_records_every_section(prepared, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the script sets it, as training does
     out = tmp_path / "smoke.json"
-    argv = ["run", "--smoke", "--data", str(prepared), "--out", str(out), "--batches", "8", "16",
+    argv = ["run", "--smoke", "--data", str(prepared), "--out", str(out), "--batches", "8",
             "--detail_batch", "8", "--workers", "1", "--warmup", "1", "--steps", "2", "--profile_steps", "1",
             "--sync_steps", "2", "--loader_workers", "0", "1", "--loader_batch", "16",
             "--loader_repeats", "1", "--compile", "default", "--unpadded", "--budget_s", "120"]  # fmt: skip
@@ -53,23 +53,21 @@ def test_smoke_run_records_every_section(prepared, tmp_path, monkeypatch):
     assert result["device"] == "cpu" and result["smoke"] and result["nominal_bf16_tflops"] is None
     sections = result["sections"]
     gemm = sections["gemm"]["by_tokens"]
-    assert set(gemm) == {str(8 * 24), str(16 * 24), str(8 * 32), str(16 * 32)}
+    assert set(gemm) == {str(8 * 24), str(8 * 32)}
     assert {"qkv", "attention_out", "ffn_up", "ffn_down", "layer_mix"} <= set(gemm[str(8 * 24)])
     cells = sections["loader"]["cells"]
     assert [c["workers"] for c in cells] == [0, 1, 0, 1]  # on the fly, then stored ids
     assert all(c["sequences_per_s"] > 0 and c["teacher"] for c in cells)
     for model, length in (("student", 24), ("e5-small", 32)):
-        for batch in (8, 16):
-            step = sections[f"step/{model}/b{batch}"]
-            assert "error" not in step, step
-            assert step["max_length"] == length and step["loader_workers"] == 1 and step["steps"] == 2
-            assert step["sequences"] == 2 * batch and step["sequences_per_s"] > 0
-            assert 0 < step["real_over_padded_tokens"] <= 1
-            assert step["tflops_padded"] >= step["tflops_real"] > 0
-            assert "random" in step["weights"]
-        detail = sections[f"step/{model}/b8"]
-        assert detail["profile"]["aten_ops_per_step"] > 0
-        assert "needs CUDA" in detail["sync_debug"]["skipped"]
+        step = sections[f"step/{model}/b8"]
+        assert "error" not in step, step
+        assert step["max_length"] == length and step["loader_workers"] == 1 and step["steps"] == 2
+        assert step["sequences"] == 2 * 8 and step["sequences_per_s"] > 0
+        assert 0 < step["real_over_padded_tokens"] <= 1
+        assert step["tflops_padded"] >= step["tflops_real"] > 0
+        assert "random" in step["weights"]
+        assert step["profile"]["aten_ops_per_step"] > 0
+        assert "needs CUDA" in step["sync_debug"]["skipped"]
         for label in ("compile=default", "unpadded"):  # recorded either way: measured or not available
             record = sections[f"{label}/{model}/b8"]
             assert "sequences_per_s" in record or "not available" in record.get("skipped", ""), record
