@@ -499,6 +499,8 @@ def step_measure(
     }
     if clock is not None:
         record["sections_ms_median"] = clock.medians_ms()
+        busy_s = sum(m["step_start"].elapsed_time(m["step_end"]) for m in clock.marks) / 1e3
+        record["sequences_per_s_steps_only"] = round(sequences / busy_s, 1)  # the data waits left out
         clock.remove()
     if peak:
         record["mfu_nominal"] = round(padded_flops / wall / 1e12 / peak, 4)
