@@ -53,6 +53,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import shutil
 import socket
@@ -505,12 +506,14 @@ def step_measure(
     if peak:
         record["mfu_nominal"] = round(padded_flops / wall / 1e12 / peak, 4)
         record["mfu_nominal_real_tokens"] = round(real_flops / wall / 1e12 / peak, 4)
-    if gemm:
-        m = str(int(statistics.median(f["rows"] for f in flops)) * flops[0]["max_length"])
-        row = gemm.get("by_tokens", {}).get(m) or next(iter(gemm.get("by_tokens", {}).values()), None)
-        if row:
-            record["mfu_vs_gemm_layer_mix"] = round(padded_flops / wall / 1e12 / row["layer_mix"], 4)
-            record["gemm_tokens_used"] = m if m in gemm.get("by_tokens", {}) else "nearest measured"
+    if gemm and gemm.get("by_tokens"):
+        measured = {int(k): v for k, v in gemm["by_tokens"].items()}
+        m = statistics.median(f["rows"] * f["length"] for f in flops)  # the GEMMs' M: rows x padded length
+        nearest = min(measured, key=lambda k: abs(math.log(k / m)))
+        record["mfu_vs_gemm_layer_mix"] = round(
+            padded_flops / wall / 1e12 / measured[nearest]["layer_mix"], 4
+        )
+        record["gemm_tokens"] = {"step_median": m, "measured_nearest": nearest}
     return record
 
 
@@ -709,7 +712,10 @@ def run(args: argparse.Namespace) -> int:
             )
             return 0
         lengths = {m: shard_length(args.data / MODELS[m][1]) for m in args.models}
-        tokens = sorted({b * lengths[m] for m in args.models for b in args.batches})
+        # the steps pad each batch to its longest sentence (bucketed): ~30 tokens on the bundled corpus,
+        # whatever max_length caps; the GEMMs are measured at both
+        widths = {lengths[m] for m in args.models} | ({32, 64, 128} if not args.smoke else set())
+        tokens = sorted({b * w for w in widths for b in args.batches})
         gemm = section(sections, "gemm", budget, 5, lambda: gemm_peaks(tokens, device, args.smoke))
         save()
         if args.loader_workers:
