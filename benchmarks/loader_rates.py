@@ -208,16 +208,24 @@ def rows_vs_loop(directory: Path, model: Path | str, batch: int, repeats: int) -
         batches.append([(int(b), rng.permutation(blocks[b].rows)[:share]) for b in chosen])
     for b in range(len(blocks)):
         source._block(b)  # decoded once: the comparison is the gather alone
-    times: dict[str, list[float]] = {"gather": [], "per_value": []}
+    loop = lambda r: per_value_rows(source, r)  # noqa: E731
+    arms = {
+        "gather": source.rows,
+        "per_value": loop,
+        "gather+collate": lambda r: collate(source.rows(r)),
+        "per_value+collate": lambda r: collate(loop(r)),
+    }
+    times: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(repeats):
-        for name, fn in (("gather", source.rows), ("per_value", lambda r: per_value_rows(source, r))):
+        for name, fn in arms.items():
             began = time.perf_counter()
             for runs in batches:
                 fn(runs)
             times[name].append((time.perf_counter() - began) / len(batches) * 1e6)
-    gather, loop = statistics.median(times["gather"]), statistics.median(times["per_value"])
-    return {"batch": batch, "columns": list(collate.columns), "gather_us": gather, "per_value_us": loop,
-            "speedup": loop / gather, "rounds": repeats}  # fmt: skip
+    us = {name: statistics.median(values) for name, values in times.items()}
+    return {"batch": batch, "columns": list(collate.columns), "median_us_per_batch": us, "rounds": repeats,
+            "speedup_rows": us["per_value"] / us["gather"],
+            "speedup_rows_and_collate": us["per_value+collate"] / us["gather+collate"]}  # fmt: skip
 
 
 def machine() -> dict[str, Any]:

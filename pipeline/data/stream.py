@@ -32,6 +32,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -286,7 +287,7 @@ class ShardSource:
             if chunks and isinstance(chunks[0], np.ndarray):
                 out[name] = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)  # (rows, D)
             else:
-                out[name] = [value for chunk in chunks for value in chunk]
+                out[name] = chunks[0] if len(chunks) == 1 else list(chain.from_iterable(chunks))
         return out
 
 
