@@ -9,6 +9,7 @@ the same tensors as tokenising its texts on the fly, without the Rust tokenizer 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,11 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from pipeline import distributed
 from pipeline.errors import ConfigError
 from pipeline.shards import ShardSet, read_shard_set
+
+log = logging.getLogger(__name__)
 
 # the id columns and the text columns they tokenise, in the same order
 TOKEN_ID_COLUMNS = ("input_ids", "variant_input_ids", "hard_negative_input_ids")
@@ -77,6 +81,28 @@ def ids_usable(
             f"--model MODEL --max_length {max_length}` and train on NEW_DIR (or on untokenised shards)"
         )
     return True
+
+
+def tokenising_on_gpu(
+    device: str, shards: ShardSet | None, token_ids: bool, pairs: bool, max_length: int, model: str | None
+) -> str | None:
+    """One warning line (logged by the main process, and returned) when a CUDA run's loader tokenises
+    sentence shards on the fly; None otherwise (CPU, stored ids used, pair shards or a supervised file,
+    which the tokenize stage does not cover).
+
+    On a GPU the loader must keep up with tens of thousands of sequences per second per rank, and one
+    worker tokenising gives about a tenth of what padding stored ids gives (docs/gpu.md, "The loader").
+    """
+    if device != "cuda" or shards is None or token_ids or pairs:
+        return None
+    line = (
+        f"the loader tokenises {shards.directory} on the fly on a GPU run: run `python -m pipeline tokenize "
+        f"--shards {shards.directory} --out NEW_DIR --model {model or 'MODEL'} --max_length {max_length}` "
+        "once and train on NEW_DIR (docs/tokenize.md)"
+    )
+    if distributed.is_main_process():
+        log.warning(line)
+    return line
 
 
 def _split_rows(array: pa.ListArray) -> list[np.ndarray]:
