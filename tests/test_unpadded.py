@@ -21,6 +21,7 @@ from transformers import BertModel  # noqa: F401  (imported before any test: it 
 from pipeline.data.collate import Batch, TokenLayout, ViewCollator, token_layout, unpad
 from pipeline.errors import ConfigError
 from pipeline.model import POOLINGS, SentenceEncoder, build_scratch_backbone
+from pipeline.model import encoder as encoder_module
 from pipeline.model.compile import prepare_encoder
 from pipeline.model.heads import TrainModule
 
@@ -206,3 +207,44 @@ def test_config_errors_name_the_field(tmp_path, overrides, field):
         debug_config(tmp_path, tmp_path, **overrides)
     assert "\n" not in str(info.value)
 
+
+# ------------------------------------------------------------------------------------------ the trainer
+@pytest.fixture(scope="module")
+def shards(tiny_shards):
+    return tiny_shards([[40, 24], [32]], num_variants=3)
+
+
+def test_trainer_runs_unpadded_and_bucketed_like_padded(tmp_path, shards, monkeypatch):
+    """The real loop (pipeline/train/loop.py untouched) on the debug config without dropout: the
+    unpadded and the bucketed runs log the padded run's losses and end on its weights (fp32)."""
+    from _train_data import run_and_dump
+
+    def run(name, **overrides):
+        cfg = debug_config(tmp_path, shards, **{
+            "model.dropout": 0.0, "train.max_steps": 4, "train.debug_dump": True, "train.eval_max_pairs": 8,
+            "train.grad_accum_steps": 2, "run_dir": str(tmp_path / name), **overrides,
+        })  # fmt: skip
+        dump = run_and_dump(cfg)
+        lines = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
+        losses = [json.loads(line)["loss"] for line in lines if '"loss"' in line]
+        return dump["param_sum"], losses
+
+    flat_forwards = []
+    original = encoder_module.unpadded_hidden_states
+
+    def counting(*args, **kwargs):
+        flat_forwards.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(encoder_module, "unpadded_hidden_states", counting)
+    padded_sum, padded_losses = run("padded")
+    assert flat_forwards == []
+    assert len(padded_losses) == 4
+    for name, overrides in (
+        ("unpadded", {"train.unpadded": True}),
+        ("bucketed", {"train.pad_to_multiple_of": 8}),
+    ):
+        params, losses = run(name, **overrides)
+        assert losses == pytest.approx(padded_losses, rel=1e-4), name
+        assert params == pytest.approx(padded_sum, rel=1e-5), name
+    assert len(flat_forwards) == 4 * 2  # the unpadded run: every micro-batch through the flat forward
