@@ -248,3 +248,37 @@ def test_trainer_runs_unpadded_and_bucketed_like_padded(tmp_path, shards, monkey
         assert losses == pytest.approx(padded_losses, rel=1e-4), name
         assert params == pytest.approx(padded_sum, rel=1e-5), name
     assert len(flat_forwards) == 4 * 2  # the unpadded run: every micro-batch through the flat forward
+
+
+@pytest.mark.gpu
+def test_varlen_flash_attention_matches_the_padded_path_on_a_gpu(monkeypatch):
+    """On CUDA in bf16 the unpadded path runs torch's varlen flash attention (counted) and gives the
+    padded path's embeddings and gradients within bf16 rounding."""
+    from pipeline.model import varlen
+
+    calls = []
+    flash = varlen._flash_varlen()
+    assert flash is not None, f"torch {torch.__version__} has no torch.nn.attention.varlen"
+
+    def counting():
+        def attend(*args, **kwargs):
+            calls.append(1)
+            return flash(*args, **kwargs)
+
+        return attend
+
+    monkeypatch.setattr(varlen, "_flash_varlen", counting)
+    encoder = tiny_encoder("mean").cuda()
+    batch = padded_batch()
+    weights = torch.randn(len(LENGTHS), encoder.dim, device="cuda")
+    results = []
+    for layout in (batch, unpad(batch)):
+        encoder.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            emb = encoder(**layout.inputs("cuda"))
+        (emb.float() * weights).sum().backward()
+        results.append((emb.float().detach(), [p.grad.float() for p in encoder.parameters()]))
+    assert len(calls) == TINY["num_hidden_layers"]
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=2e-2, atol=2e-2)
+    for flat, padded in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(flat, padded, rtol=5e-2, atol=5e-2)
