@@ -208,3 +208,23 @@ def test_compile_mode_is_checked():
 def test_inductor_compiled_equals_eager(dynamo):
     """The real backend (inductor; builds C++ with gcc: tens of seconds on a loaded 2-core machine)."""
     assert_compiled_equals_eager(mixed_batches([12]), "inductor")
+
+
+def test_the_step_layouts_benchmark_runs(tmp_path, capsys, monkeypatch):
+    """benchmarks/step_layouts.py at a tiny size (the figures come from docs/BENCHMARKS.md's command)."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    from _tiny_models import build_char_encoder
+
+    from pipeline.resources import sample_sentences
+
+    model = build_char_encoder(tmp_path / "model", sample_sentences(400), 32, 64, 64)
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_layouts.py"
+    argv = [str(script), "--model", str(model), "--layers", "0,1", "--steps", "1", "--warmup", "1",
+            "--vocab", "100", "--threads", "1"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "tokens per real token" in out and "unpadded" in out and "1.00x eager padded" in out
