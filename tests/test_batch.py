@@ -9,7 +9,10 @@ import pickle
 import pytest
 import torch
 
-from pipeline.data.collate import ROWS, SCALAR, SENTENCES, Batch
+from pipeline.data.collate import LAYOUT, ROWS, SCALAR, SENTENCES, Batch, unpad
+
+# set only in the unpadded layout (tests/test_unpadded.py); a padded batch holds None there
+FLAT_ONLY = {"position_ids", "cu_seqlens", "max_seqlen"}
 
 
 def full_batch(n: int = 2, m: int = 1, b: int = 4) -> Batch:
@@ -27,7 +30,8 @@ def full_batch(n: int = 2, m: int = 1, b: int = 4) -> Batch:
 
 
 def test_every_field_declares_how_it_splits():
-    assert all(f.metadata.get("split") in (ROWS, SENTENCES, SCALAR) for f in dataclasses.fields(Batch))
+    kinds = (ROWS, SENTENCES, SCALAR, LAYOUT)
+    assert all(f.metadata.get("split") in kinds for f in dataclasses.fields(Batch))
 
 
 def test_split_cuts_rows_view_major_and_keeps_every_field():
@@ -38,6 +42,9 @@ def test_split_cuts_rows_view_major_and_keeps_every_field():
     assert first.input_ids[:, 0].tolist() == [0, 1, 4, 5, 8, 9]
     for f in dataclasses.fields(Batch):
         whole, a, b = (getattr(x, f.name) for x in (batch, first, second))
+        if f.name in FLAT_ONLY:
+            assert a is None and b is None, f.name
+            continue
         assert a is not None and b is not None, f.name  # nothing dropped
         if f.metadata["split"] == SENTENCES:
             assert torch.equal(torch.cat([a, b]), whole), f.name
@@ -46,6 +53,15 @@ def test_split_cuts_rows_view_major_and_keeps_every_field():
     assert batch.split(1) == [batch]
     with pytest.raises(ValueError, match="does not split"):
         batch.split(3)
+
+
+def test_split_of_the_unpadded_layout_keeps_every_field():
+    absent = {"attention_mask", "mlm_input_ids", "mlm_labels"}  # the mlm term reads padded rows only
+    batch = unpad(dataclasses.replace(full_batch(n=2, m=1, b=4), mlm_input_ids=None, mlm_labels=None))
+    for part in batch.split(2):
+        for f in dataclasses.fields(Batch):
+            assert (getattr(part, f.name) is None) == (f.name in absent), f.name
+        assert part.num_sentences == 2 and part.cu_seqlens.tolist() == [0, 3, 6, 9, 12, 15, 18]
 
 
 def test_fields_by_name_and_unknown_names():

@@ -19,7 +19,8 @@ from pipeline.losses.mlm import MASK_PROB, batch_generator, mask_tokens
 from pipeline.normalize import normalize_text
 
 # How Batch.split cuts a field into micro-batches (every field declares one, so none can be dropped).
-ROWS, SENTENCES, SCALAR = "rows", "sentences", "scalar"
+# LAYOUT: the unpadded layout's cu_seqlens and max_seqlen, recomputed for the rows a micro-batch keeps.
+ROWS, SENTENCES, SCALAR, LAYOUT = "rows", "sentences", "scalar", "layout"
 
 
 def _rows() -> Any:
@@ -34,6 +35,14 @@ def _scalar(default: Any = None) -> Any:
     return dataclasses.field(default=default, metadata={"split": SCALAR})
 
 
+def _optional_rows() -> Any:
+    return dataclasses.field(default=None, metadata={"split": ROWS})
+
+
+def _layout() -> Any:
+    return dataclasses.field(default=None, metadata={"split": LAYOUT})
+
+
 @dataclass
 class Batch:
     """One rank's batch (or a micro-batch of it): what every collator returns and the step reads.
@@ -42,13 +51,17 @@ class Batch:
     ``n * B + j * B + i`` is hard negative j of sentence i (j < m, ``num_hard_negatives``). Per-sentence
     fields hold B rows (or labels) in sentence order; None where the run has no such column.
 
+    In the unpadded layout (``train.unpadded``, :func:`unpad`) the rows are flat instead: ``input_ids`` and
+    ``position_ids`` (T,) hold every row's real tokens one row after another, row r at
+    ``cu_seqlens[r]:cu_seqlens[r + 1]``, ``max_seqlen`` the longest row, ``attention_mask`` None.
+
     ``batch[name]``, ``name in batch`` (set, not None), ``batch.get(name, default)``, ``keys()`` and
     ``items()`` (the set fields) read it by name, for hooks and tests that inspect a batch; an unknown
     name is a KeyError, never a silent None.
     """
 
-    input_ids: torch.Tensor = _rows()  # ((n + m) * B, L) int64
-    attention_mask: torch.Tensor = _rows()  # ((n + m) * B, L) int64
+    input_ids: torch.Tensor = _rows()  # ((n + m) * B, L) int64; unpadded: (T,) the rows' tokens
+    attention_mask: torch.Tensor | None = _rows()  # ((n + m) * B, L) int64; unpadded: None
     num_views: int = _scalar()  # n
     num_hard_negatives: int = _scalar(0)  # m
     ids: torch.Tensor | None = _per_sentence()  # (B,) int64 sentence ids (pair files: record index)
@@ -62,6 +75,9 @@ class Batch:
     positive_text_hashes: torch.Tensor | None = _per_sentence()  # (B,) int64 the positives' text hashes
     epoch: int | None = _scalar()  # where the stream took it: the epoch and the batch's index in it
     batch: int | None = _scalar()
+    position_ids: torch.Tensor | None = _optional_rows()  # unpadded: (T,) int64, each token's position
+    cu_seqlens: torch.Tensor | None = _layout()  # unpadded: ((n + m) * B + 1,) int32 row starts, then T
+    max_seqlen: int | None = _layout()  # unpadded: the longest row, a host int (no device read for it)
 
     @property
     def rows_per_sentence(self) -> int:
@@ -69,8 +85,13 @@ class Batch:
         return self.num_views + self.num_hard_negatives
 
     @property
+    def num_rows(self) -> int:
+        """(n + m) * B: the encoder's rows, padded or flat."""
+        return self.input_ids.shape[0] if self.cu_seqlens is None else self.cu_seqlens.shape[0] - 1
+
+    @property
     def num_sentences(self) -> int:
-        return self.input_ids.shape[0] // self.rows_per_sentence  # B
+        return self.num_rows // self.rows_per_sentence  # B
 
     def at(self, epoch: int, batch: int) -> Batch:
         """This batch, marked with its position in the stream (the stream sets it)."""
@@ -91,9 +112,14 @@ class Batch:
         for p in range(parts):
             rows = torch.cat([torch.arange(v * b + p * size, v * b + (p + 1) * size) for v in range(blocks)])
             values = {}
+            if self.cu_seqlens is not None:  # flat rows: the kept rows' tokens, and their layout anew
+                values["cu_seqlens"], values["max_seqlen"], tokens = _kept_rows(self.cu_seqlens, rows)
+                rows = tokens
             for f in dataclasses.fields(self):
                 value, kind = getattr(self, f.name), f.metadata["split"]
-                if value is None or kind == SCALAR:
+                if kind == LAYOUT:
+                    values.setdefault(f.name, None)
+                elif value is None or kind == SCALAR:
                     values[f.name] = value
                 elif kind == ROWS:
                     values[f.name] = value[rows]
@@ -102,9 +128,16 @@ class Batch:
             out.append(Batch(**values))
         return out
 
-    def inputs(self, device: torch.device | str) -> dict[str, torch.Tensor]:
-        """The encoder's inputs on ``device`` (asynchronous from pinned memory)."""
-        return {k: getattr(self, k).to(device, non_blocking=True) for k in ("input_ids", "attention_mask")}
+    def inputs(self, device: torch.device | str) -> dict[str, Any]:
+        """The encoder's inputs on ``device`` (asynchronous from pinned memory): ``input_ids`` and
+        ``attention_mask``, or in the unpadded layout ``input_ids``, ``position_ids``, ``cu_seqlens`` and
+        the host int ``max_seqlen``."""
+        if self.cu_seqlens is None:
+            names = ("input_ids", "attention_mask")
+            return {k: getattr(self, k).to(device, non_blocking=True) for k in names}
+        names = ("input_ids", "position_ids", "cu_seqlens")
+        flat = {k: getattr(self, k).to(device, non_blocking=True) for k in names}
+        return {**flat, "max_seqlen": self.max_seqlen}  # a host int: shapes without a device read
 
     def pin_memory(self) -> Batch:
         """Every tensor in page-locked memory; torch's pin-memory thread calls this (DataLoader
@@ -145,6 +178,100 @@ class Batch:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Batch))
+
+
+def _kept_rows(cu_seqlens: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """The layout of some rows of a flat batch: (cu_seqlens (R + 1,) int32, max_seqlen, their token
+    indices (T_kept,)). Host tensors (the loader's or the step's CPU copy): no device read."""
+    starts, ends = cu_seqlens[:-1].long()[rows], cu_seqlens[1:].long()[rows]  # (R,)
+    lengths = ends - starts
+    tokens = torch.cat([torch.arange(s, e) for s, e in zip(starts.tolist(), ends.tolist())])
+    cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
+    return cu, int(lengths.max()), tokens
+
+
+def unpad(batch: Batch) -> Batch:
+    """A padded batch in the unpadded layout (``train.unpadded``): each row's real tokens one row after
+    another, flat ``input_ids`` and ``position_ids`` (T,), ``cu_seqlens`` (rows + 1,) int32 and the host
+    int ``max_seqlen``; ``attention_mask`` None. Runs in the loader workers, on host tensors."""
+    if batch.mlm_input_ids is not None:
+        raise ValueError("the unpadded layout has no padded originals for the mlm term")
+    mask = batch.attention_mask.bool()  # (N, L)
+    lengths = mask.sum(1)  # (N,)
+    cu_seqlens = torch.zeros(mask.shape[0] + 1, dtype=torch.int32)
+    cu_seqlens[1:] = lengths.cumsum(0)
+    return dataclasses.replace(
+        batch,
+        input_ids=batch.input_ids[mask],  # (T,) row by row, each row's tokens in order
+        attention_mask=None,
+        position_ids=(mask.cumsum(1) - 1)[mask],  # (T,) 0.. within each row (rows are padded on the right)
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(lengths.max()),
+    )
+
+
+def bucket_width(longest: int, multiple: int, max_length: int) -> int:
+    """The padded width of a batch whose longest row is ``longest``: the next multiple of ``multiple``,
+    at most ``max_length`` (or ``longest`` itself beyond it), so a run sees about max_length / multiple
+    shapes."""
+    return max(longest, min(-(-longest // multiple) * multiple, max_length))
+
+
+def pad_to_width(batch: Batch, width: int, pad_id: int) -> Batch:
+    """A padded batch padded on the right to ``width`` columns: ids ``pad_id``, mask 0, MLM labels -100."""
+    extra = width - batch.input_ids.shape[1]
+    if extra <= 0:
+        return batch
+
+    def widen(x: torch.Tensor | None, value: int) -> torch.Tensor | None:
+        return None if x is None else torch.nn.functional.pad(x, (0, extra), value=value)  # (N, width)
+
+    return dataclasses.replace(
+        batch,
+        input_ids=widen(batch.input_ids, pad_id),
+        attention_mask=widen(batch.attention_mask, 0),
+        mlm_input_ids=widen(batch.mlm_input_ids, pad_id),
+        mlm_labels=widen(batch.mlm_labels, -100),
+    )
+
+
+class TokenLayout:
+    """Wraps a collator: its padded batch laid out as the step wants it, in the loader workers.
+
+    ``unpadded``: :func:`unpad` (``train.unpadded``). ``pad_to_multiple_of`` m > 0: the width padded up to
+    the next multiple of m (at most ``max_length``; ``train.pad_to_multiple_of``), so that a run sees a
+    handful of shapes (compile without recompiles, CUDA graphs) instead of one per longest sentence.
+    """
+
+    def __init__(
+        self,
+        collate: Callable[[dict[str, list[Any]]], Batch],
+        pad_id: int,
+        max_length: int,
+        unpadded: bool = False,
+        pad_to_multiple_of: int = 0,
+    ):
+        self.collate, self.pad_id, self.max_length = collate, pad_id, max_length
+        self.unpadded, self.multiple = unpadded, pad_to_multiple_of
+        self.columns = getattr(collate, "columns", None)
+
+    def __call__(self, rows: dict[str, list[Any]]) -> Batch:
+        batch = self.collate(rows)
+        if self.unpadded:
+            return unpad(batch)
+        if self.multiple:
+            width = bucket_width(batch.input_ids.shape[1], self.multiple, self.max_length)
+            return pad_to_width(batch, width, self.pad_id)
+        return batch
+
+
+def token_layout(collate: Any, pad_id: int, max_length: int, train: Any) -> Any:
+    """``collate`` wrapped in :class:`TokenLayout` as ``train`` (the TrainConfig) asks; itself when it
+    asks for the default layout (padded to each batch's longest row)."""
+    if not (train.unpadded or train.pad_to_multiple_of):
+        return collate
+    return TokenLayout(collate, pad_id, max_length, train.unpadded, train.pad_to_multiple_of)
 
 
 def text_hashes(texts: Sequence[Any]) -> torch.Tensor:

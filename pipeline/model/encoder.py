@@ -35,6 +35,7 @@ from torch import nn
 
 from pipeline.errors import ConfigError, InputError
 from pipeline.model.rules import ENCODER_FILE, POOLING_HELP, read_dense_weights, read_rule
+from pipeline.model.varlen import pool_unpadded, unpadded_hidden_states
 
 Pooling = Literal["cls", "mean", "first_last_avg"]
 POOLINGS: tuple[str, ...] = ("cls", "mean", "first_last_avg")
@@ -76,6 +77,29 @@ def pool(hidden_states: Sequence[torch.Tensor], attention_mask: torch.Tensor, po
     if pooling == "first_last_avg":
         return (_masked_mean(hidden_states[1], attention_mask) + _masked_mean(last, attention_mask)) / 2
     raise ValueError(f"unknown pooling {pooling!r}; choose one of {POOLINGS}")
+
+
+def prebuilt_mask(backbone: nn.Module, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The (B, L) padding mask as the (B, 1, 1, L) attention mask transformers would build from it.
+
+    transformers' BERT family builds its mask every forward and first asks ``padding_mask.all()`` (to
+    drop an all-ones mask): a host-device sync per forward. A 4-D mask is taken as given, so building it
+    here keeps the step free of syncs; the attention is the same (a boolean key mask for SDPA, an
+    additive one for eager). Other architectures and implementations get the 2-D mask unchanged.
+    """
+    config = backbone.config
+    decoder = getattr(config, "is_decoder", False)
+    if getattr(config, "model_type", None) not in POOLER_ARCHITECTURES or decoder:
+        return attention_mask
+    keep = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, L)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation == "sdpa":
+        return keep
+    if implementation == "eager":
+        dtype = backbone.get_input_embeddings().weight.dtype
+        additive = torch.zeros(keep.shape, dtype=dtype, device=keep.device)  # (B, 1, 1, L)
+        return additive.masked_fill_(~keep, torch.finfo(dtype).min)
+    return attention_mask
 
 
 def _has_pooler_weights(folder: Path) -> bool:
@@ -143,6 +167,11 @@ class SentenceEncoder(nn.Module):
     evaluation and the search index) and in the training collators (given it by the trainer).
     """
 
+    # Hand transformers a prepared 4-D attention mask (:func:`prebuilt_mask`: no host sync per forward).
+    # Off by default, so the default step is unchanged; train.pad_to_multiple_of and train.compile turn it
+    # on (pipeline.model.compile.prepare_encoder).
+    static_mask: bool = False
+
     def __init__(
         self,
         backbone: nn.Module,
@@ -185,13 +214,29 @@ class SentenceEncoder(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Padded (B, L) ``input_ids`` and ``attention_mask``, or the unpadded layout (``train.unpadded``):
+        flat (T,) ``input_ids`` and ``position_ids``, ``cu_seqlens`` (B + 1,) int32 and a host-side int
+        ``max_seqlen`` (:mod:`pipeline.model.varlen`). Either way (B, dim) embeddings."""
         need_all = self.pooling == "first_last_avg"
+        if cu_seqlens is not None:
+            if max_seqlen is None or position_ids is None:
+                raise ValueError("the unpadded layout needs cu_seqlens, max_seqlen and position_ids together")
+            states = unpadded_hidden_states(
+                self.backbone, input_ids, position_ids, cu_seqlens, max_seqlen, all_layers=need_all
+            )  # [(T, H)]
+            return self.head(pool_unpadded(states, cu_seqlens, max_seqlen, self.pooling))  # (B, dim)
+        if attention_mask is None:
+            raise ValueError("the padded layout needs attention_mask")
+        mask = prebuilt_mask(self.backbone, attention_mask) if self.static_mask else attention_mask
         out = self.backbone(
             input_ids=input_ids,
-            attention_mask=attention_mask,
+            attention_mask=mask,
             token_type_ids=token_type_ids,
             output_hidden_states=need_all,
             return_dict=True,

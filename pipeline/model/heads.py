@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.model.encoder import SentenceEncoder
+from pipeline.model.encoder import SentenceEncoder, prebuilt_mask
 
 
 class SoftmaxHead(nn.Module):
@@ -62,16 +62,33 @@ class TrainModule(nn.Module):
         self.mlm_head = mlm_head
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, mlm_input_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        mlm_input_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        emb = self.encoder(input_ids=input_ids, attention_mask=attention_mask)  # (N, H)
+        """Padded rows (``attention_mask``) or the unpadded layout (``cu_seqlens``, ``max_seqlen``,
+        ``position_ids``: :meth:`SentenceEncoder.forward`) -> (N, H) embeddings."""
+        emb = self.encoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            position_ids=position_ids,
+        )  # (N, H)
         if mlm_input_ids is None:
             return emb
+        if attention_mask is None:
+            raise ValueError("the mlm head reads padded originals; train.unpadded does not support it")
         # One extra backbone forward of the B masked originals (their padding equals view 0's), inside
         # this forward so DDP sees every parameter used once per step.
         b = mlm_input_ids.shape[0]
         backbone = self.encoder.backbone
-        hidden = backbone(
-            input_ids=mlm_input_ids, attention_mask=attention_mask[:b], return_dict=True
-        ).last_hidden_state  # (B, L, H)
+        mask = attention_mask[:b]
+        if self.encoder.static_mask:
+            mask = prebuilt_mask(backbone, mask)  # no host sync in transformers' mask code
+        hidden = backbone(input_ids=mlm_input_ids, attention_mask=mask, return_dict=True).last_hidden_state
         return emb, self.mlm_head(hidden, backbone.get_input_embeddings().weight)  # (N, H), (B, L, V)

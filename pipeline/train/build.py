@@ -22,7 +22,7 @@ from torch import nn
 
 from pipeline import distributed as dist
 from pipeline.config import from_dict, to_dict
-from pipeline.data.collate import MLMCollator, PairCollator, PairShardCollator, ViewCollator
+from pipeline.data.collate import MLMCollator, PairCollator, PairShardCollator, ViewCollator, token_layout
 from pipeline.data.pairs import read_records
 from pipeline.data.sources import pair_order
 from pipeline.data.stream import BatchStream, MemorySource, ShardSource, index_shards
@@ -32,6 +32,7 @@ from pipeline.evaluate.sts import PairSet, read_pair_file
 from pipeline.losses import Loss, Needs
 from pipeline.losses.legacy import split_objective
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
+from pipeline.model.compile import prepare_encoder
 from pipeline.model.encoder import load_tokenizer as load_model_tokenizer
 from pipeline.model.heads import MLMHead, TrainModule
 from pipeline.model.layers import keep_layers, reinitialise, set_dropout
@@ -386,6 +387,7 @@ def build_stream(
         text_columns = [f"text{i}" for i in range(n_text)]
         collate = PairCollator(tokenizer, d.max_length, text_columns, label_dtype, prefix)
         source = MemorySource(columns, text_columns)
+    collate = token_layout(collate, tokenizer.pad_token_id, d.max_length, t)  # unpadded / bucketed widths
     window = d.bucket_window if d.length_bucketing else 0
     return BatchStream(
         source, collate, t.global_batch_size, rank, world, t.seed, workers, d.prefetch_factor, window,
@@ -518,6 +520,7 @@ def build(cfg: Config) -> Trainer:
         total,
         planned,
     )
+    prepare_encoder(module.encoder, cfg.train)  # train.unpadded/pad_to_multiple_of/compile
     model, optimizer = accelerator.prepare(module, optimizer)
     o = cfg.optim
     schedule = LRSchedule(optimizer, o.lr, o.warmup_steps, total, o.schedule, o.min_lr_ratio)

@@ -331,6 +331,23 @@ class TrainConfig:
         "STS-B valid score (model selection on the dev set, as SimCSE's reference trainer does).",
     )
     debug_dump: bool = option(False, "Write RUN_DIR/debug/rank{r}.json (checksums of parameters and queue).")
+    unpadded: bool = option(
+        False,
+        "BERT encoders: batches of flat tokens without padding (cu_seqlens, max_seqlen, position ids), the "
+        "encoder run on the real tokens only (varlen flash attention on a GPU in fp16/bf16, a padded SDPA "
+        "reference elsewhere); the same weights. Not with the mlm term, a momentum encoder or GradCache "
+        "(docs/training.md, \"Unpadded, static and compiled steps\").",
+    )
+    pad_to_multiple_of: int = option(
+        0,
+        "Pad each batch's width up to a multiple of this many tokens (at most data.max_length), so a run "
+        "sees a handful of shapes instead of one per longest sentence (0 = pad to the longest).",
+    )
+    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = option(
+        "off",
+        "torch.compile the encoder with this mode (off = eager). Recompiles are bounded "
+        "(torch._dynamo recompile_limit) and each one is logged with its reason.",
+    )
     deterministic: bool = option(
         False,
         "Deterministic GPU kernels (deterministic algorithms, cuBLAS workspace, cuDNN without autotuning, "
@@ -360,6 +377,12 @@ class TrainConfig:
             raise ConfigError("train.collective_timeout must be > 0 seconds (e.g. 600)")
         if self.gradcache_chunk_size < 0 or self.log_every < 1 or self.eval_every < 0:
             raise ConfigError("train.gradcache_chunk_size/eval_every must be >= 0 and log_every >= 1")
+        if self.pad_to_multiple_of < 0:
+            raise ConfigError("train.pad_to_multiple_of must be >= 0 (0 = pad to each batch's longest)")
+        if self.unpadded and self.pad_to_multiple_of:
+            raise ConfigError("train.unpadded has no padding to round; set train.pad_to_multiple_of to 0")
+        if self.unpadded and self.gradcache_chunk_size:
+            raise ConfigError("train.unpadded is not supported with train.gradcache_chunk_size; unset one")
 
 
 def term_fields(term: Any) -> str:
@@ -427,6 +450,11 @@ class Config:
         if loss.reads(MLM_LOGITS) and t.gradcache_chunk_size:
             raise ConfigError(
                 "the mlm loss term is not supported with train.gradcache_chunk_size; remove one of them"
+            )
+        if t.unpadded and (loss.reads(MLM_LOGITS) or loss.needs.momentum):
+            raise ConfigError(
+                "train.unpadded is not supported with the mlm term or a momentum encoder (both read padded "
+                "rows); set --train.unpadded=false"
             )
         if t.gradcache_chunk_size and t.grad_accum_steps > 1:
             raise ConfigError("use either train.gradcache_chunk_size or train.grad_accum_steps > 1, not both")

@@ -1,0 +1,65 @@
+"""The encoder made ready for the training step: ``train.unpadded`` checked, ``train.compile`` applied.
+
+Compilation is in place (``nn.Module.compile``): the module keeps its class and its state_dict keys (no
+``_orig_mod.`` prefix), so checkpoints, export and resume do not change with compile on or off.
+
+Shapes: a padded run pads each batch to its longest sentence (or to a bucket,
+``train.pad_to_multiple_of``); an unpadded one changes its token count every batch. Dynamo compiles the
+first shape static and, at the second, one graph dynamic in that dimension (automatic dynamic shapes),
+so a run compiles a few graphs, not one per length; ``RECOMPILE_LIMIT`` bounds the rest (past it the
+frame runs eagerly, it does not fail) and every recompile is logged with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from pipeline.errors import ConfigError
+from pipeline.model.varlen import check_unpadded
+
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
+RECOMPILE_LIMIT = 8  # graphs per compiled frame: train/eval mode x a few shapes, with room to spare
+
+log = logging.getLogger(__name__)
+
+
+def compile_encoder(module: nn.Module, mode: str, backend: str = "inductor") -> nn.Module:
+    """``module`` compiled in place with torch.compile ``mode`` (``off``: untouched); returns it.
+    ``backend``: inductor for training; the tests also trace with ``aot_eager`` (no C++ build)."""
+    if mode not in COMPILE_MODES:
+        raise ConfigError(f"train.compile {mode!r} is not a mode; choose one of {', '.join(COMPILE_MODES)}")
+    if mode == "off":
+        return module
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    torch._logging.set_logs(recompiles=True)  # each recompile, with the guard that failed, in the log
+    module.compile(mode=None if mode == "default" or backend != "inductor" else mode, backend=backend)
+    log.info("compile: the encoder with torch.compile mode %s (at most %d graphs)", mode, RECOMPILE_LIMIT)
+    return module
+
+
+def compile_counts() -> dict[str, int]:
+    """Graphs dynamo compiled in this process so far and its graph breaks: a run that recompiles per
+    batch shows graphs growing with the steps (for logs, benchmarks and tests)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }
+
+
+def prepare_encoder(encoder: Any, train: Any) -> None:
+    """Before the run's first step, as ``train`` (the TrainConfig) asks: a ConfigError if
+    ``train.unpadded`` names an architecture the unpadded forward does not reproduce; with static shapes
+    (``pad_to_multiple_of``) or ``compile``, the prepared attention mask (no host sync per forward:
+    :attr:`SentenceEncoder.static_mask`); then ``train.compile``."""
+    if train.unpadded:
+        check_unpadded(encoder.backbone)
+    if train.pad_to_multiple_of or train.compile != "off":
+        encoder.static_mask = True
+    compile_encoder(encoder, train.compile)
