@@ -1,12 +1,13 @@
-"""The three parallel passes of the pairs stage: preprocess's passes (``preprocess/passes.py``) over pairs.
+"""The pairs stage's three passes over pairs (the template, the work files and the writer they share
+with preprocess: ``pipeline/stages/corpus``).
 
-pass 1, ``split``   one input unit -> records read (preprocess's readers and bad-record audit), pairs
+pass 1, ``split``   one input unit -> records read (the corpus readers and bad-record audit), pairs
                     extracted (``extract.py``), cleaned, filtered, hashed and routed by shuffle key into
                     partitions: ``split/unit-NNNNNN.arrow`` + ``.json``; with near-duplicate removal
                     also the pairs' (band hash, key) rows, routed into buckets (``.bands.arrow``).
 pass 2, ``dedup``   one partition from every unit -> sorted by (shuffle key, columns), exact duplicates
                     (same pair key) removed: ``dedup/part-NNNNNN.arrow`` + ``.json``; one piece per
-                    near-duplicate bucket, run by preprocess's own ``near_dup_bucket``.
+                    near-duplicate bucket (``corpus.passes.near_dup_bucket``).
 pass 3, ``shards``  one output shard = a range of the global order -> ``OUT/shard-NNNNNN.tar`` (block
                     index beside it) + ``shards/shard-NNNNNN.json`` (its entry and per-source counts).
 
@@ -34,8 +35,24 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.io import atomic_write
 from pipeline.shards import write_shard
+from pipeline.stages.corpus.neardup import NearDupParams
+from pipeline.stages.corpus.passes import RECORD_REASONS as RECORD_REASONS  # a pair manifest's too
+from pipeline.stages.corpus.passes import (
+    SAMPLES_PER_RULE,
+    BadRecords,
+    Progress,
+    UnitWriter,
+    dedup_paths,
+    gather,
+    read_partition,
+    shard_entry_path,
+    shuffle_keys,
+    unit_result,
+    write_json,
+    write_partition,
+)
+from pipeline.stages.corpus.readers import Unit, iter_lines
 from pipeline.stages.pairs.extract import (
     EXTRACTORS,
     REQUIRED,
@@ -47,25 +64,6 @@ from pipeline.stages.pairs.extract import (
     sibling_duplicates,
     too_easy,
 )
-from pipeline.stages.preprocess.neardup import NearDupParams, band_hashes, signatures
-from pipeline.stages.preprocess.passes import (
-    _BAND_SCHEMA,
-    _IPC_OPTIONS,
-    DEDUP_BATCH_ROWS,
-    SAMPLES_PER_RULE,
-    Progress,
-    _BadRecords,
-    _RoutedWriter,
-    bands_path,
-    dedup_paths,
-    partition_of,
-    read_partition,
-    shard_entry_path,
-    shuffle_keys,
-    split_paths,
-    write_json,
-)
-from pipeline.stages.preprocess.readers import Unit, iter_lines
 from pipeline.stages.preprocess.text import Cleaner, filter_sentences
 
 # Columns of a pair shard (shards/README.md): the base columns (text = the anchor) and the pair's own.
@@ -80,7 +78,6 @@ PAIR_SCHEMA = pa.schema(
         pa.field("batch_key", pa.string(), nullable=False),  # topic / category / news source, or ""
     ]
 )
-RECORD_REASONS = ("empty", "invalid_utf8", "bad_json", "missing_field", "too_long_record", "unreadable")
 SIDE_REASONS = ("too_short", "too_long", "low_cjk")
 PAIR_REASONS = (
     *(f"{side}_{r}" for side in ("anchor", "positive") for r in SIDE_REASONS),
@@ -103,40 +100,6 @@ class PairParams:
     seed: int
     strict: bool
     neardup: NearDupParams | None = None
-
-
-class _Writer:
-    """Routes one unit's kept pairs into key partitions and, with near-duplicate removal on, their
-    (band hash, key) rows into buckets."""
-
-    def __init__(self, work: Path, index: int, params: PairParams):
-        self.params = params
-        self.pairs = _RoutedWriter(split_paths(work, index)[0], PAIR_SCHEMA)
-        self.bands = _RoutedWriter(bands_path(work, index), _BAND_SCHEMA) if params.neardup else None
-
-    def add(self, columns: dict[str, Any], keys_text: list[str]) -> None:
-        keys = shuffle_keys(columns["id"], self.params.seed)
-        parts = partition_of(keys, self.params.num_partitions)
-        table = pa.table({**{n: pa.array(columns[n], PAIR_SCHEMA.field(n).type) for n in PAIR_SCHEMA.names},
-                          "part": parts})  # fmt: skip
-        self.pairs.add(table, 3 * sum(map(len, columns["text"])) + 3 * sum(map(len, columns["positive"])))
-        nd = self.params.neardup
-        if self.bands is not None and nd is not None:
-            hashes = band_hashes(signatures(keys_text, nd, self.params.seed), nd).ravel()
-            buckets = partition_of(hashes, self.params.num_partitions)
-            rows = pa.table({"band": hashes, "key": np.repeat(keys, nd.bands), "part": buckets})
-            self.bands.add(rows, 24 * len(hashes))
-
-    def close(self) -> tuple[dict[str, list[int]], dict[str, list[int]] | None]:
-        batches = self.pairs.close()
-        return batches, self.bands.close() if self.bands is not None else None
-
-    def abort(self) -> None:
-        try:
-            self.pairs.abort()
-        finally:
-            if self.bands is not None:
-                self.bands.abort()
 
 
 class _Samples:
@@ -162,7 +125,7 @@ def _filter_and_add(
     candidates: list[Candidate],
     params: PairParams,
     counts: Counter,
-    writer: _Writer,
+    writer: UnitWriter,
     cleaner: Cleaner,
     samples: _Samples,
     progress: Progress,
@@ -227,7 +190,8 @@ def _filter_and_add(
     for kind, n in Counter(columns["kind"]).items():  # the kept pairs' kinds
         counts[f"kind:{kind}"] += n
     if rows:
-        writer.add(columns, keys_text)
+        nbytes = 3 * sum(map(len, columns["text"])) + 3 * sum(map(len, columns["positive"]))
+        writer.add(columns, nbytes, keys_text)
     progress(len(candidates))
 
 
@@ -247,10 +211,9 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
 def split_unit(work: Path, index: int, unit: Unit, params: PairParams, progress: Progress) -> dict[str, Any]:
     """Pass 1 for one unit: read, extract, clean, filter, route into partitions. Returns its counts."""
-    arrow_path, json_path = split_paths(work, index)
     counts: Counter = Counter()
-    bad = _BadRecords(unit, counts, params.strict)
-    writer = _Writer(work, index, params)
+    bad = BadRecords(unit, counts, params.strict)
+    writer = UnitWriter(work, index, PAIR_SCHEMA, params.num_partitions, params.seed, params.neardup)
     cleaner = Cleaner(params.rules.to_simplified)
     samples = _Samples()
     try:
@@ -269,13 +232,8 @@ def split_unit(work: Path, index: int, unit: Unit, params: PairParams, progress:
         "batches": batches,
         "examples": bad.examples,
         "audit": audit,
-        "bytes": arrow_path.stat().st_size,
     }
-    if band_batches is not None:
-        result["band_batches"] = band_batches
-        result["extra_bytes"] = {bands_path(work, index).name: bands_path(work, index).stat().st_size}
-    write_json(json_path, result)
-    return result
+    return unit_result(work, index, result, band_batches)
 
 
 _SCAN_ONCE = json.JSONDecoder().scan_once  # what json.loads runs, less its checks
@@ -298,8 +256,8 @@ def _read_unit(
     unit: Unit,
     params: PairParams,
     counts: Counter,
-    bad: _BadRecords,
-    writer: _Writer,
+    bad: BadRecords,
+    writer: UnitWriter,
     cleaner: Cleaner,
     samples: _Samples,
     progress: Progress,
@@ -393,18 +351,13 @@ def _read_unit(
 
 # --------------------------------------------------------------------------------------------- pass 2
 def dedup_partition(
-    work: Path, part: int, pieces: list[tuple[str, list[int]]], seed: int, progress: Progress
+    work: Path, part: int, pieces: list[tuple[str, list[int], str]], seed: int, progress: Progress
 ) -> dict[str, Any]:
-    """Pass 2 for one partition: gather its pairs from every unit, sort, drop exact duplicates (equal
-    ids); the first pair in (key, text, positive, source, kind, group, batch_key) order stays."""
+    """Pass 2 for one partition: gather its pairs from every unit (each piece's source is in its rows),
+    sort, drop exact duplicates (equal ids); the first pair in (key, text, positive, source, kind,
+    group, batch_key) order stays."""
     arrow_path, json_path = dedup_paths(work, part)
-    tables = []
-    for path, batch_indices in pieces:
-        with pa.OSFile(path) as source_file:
-            reader = pa.ipc.open_file(source_file)
-            tables.append(pa.Table.from_batches([reader.get_batch(i) for i in batch_indices], PAIR_SCHEMA))
-    table = pa.concat_tables(tables).combine_chunks() if tables else PAIR_SCHEMA.empty_table()
-    del tables
+    table = gather([(path, batch_indices) for path, batch_indices, _ in pieces], PAIR_SCHEMA)
     rows_in = table.num_rows
     keys = shuffle_keys(table["id"].to_numpy(), seed)
     sortable = table.append_column("key", pa.array(keys, pa.uint64()))
@@ -426,12 +379,7 @@ def dedup_partition(
     out = table.take(order[keep])
     del table
     unique_by_source = Counter(out["source"].to_pylist())
-
-    def write(tmp: Path) -> None:
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, PAIR_SCHEMA, options=_IPC_OPTIONS) as w:
-            w.write_table(out, max_chunksize=DEDUP_BATCH_ROWS)
-
-    atomic_write(arrow_path, write, durable=False)
+    write_partition(arrow_path, out, PAIR_SCHEMA)
     result = {
         "partition": part,
         "rows_in": rows_in,

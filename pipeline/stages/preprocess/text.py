@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-SAMPLES_PER_RULE = 3  # examples kept per cleaning rule or drop reason (per unit, then per run)
+from pipeline.stages.corpus.passes import SAMPLES_PER_RULE  # examples per rule or reason (unit, run)
+
 SAMPLE_CHARS = 80  # an example is cut to about this many characters
 MIN_CJK = 2  # a kept sentence has at least this many CJK ideographs, whatever its share
 
@@ -431,6 +432,30 @@ class Cleaner:
 
     def audit(self) -> dict[str, Any]:
         return {"rules": dict(sorted(self.rules.items())), "samples": dict(sorted(self.samples.items()))}
+
+
+def merged_audit(units: list[dict[str, Any]], parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A manifest's ``audit`` from the units' ``Cleaner.audit()`` and bad-record examples and the
+    partitions' samples: per cleaning rule the fields it changed, and for every rule and drop reason
+    the first few examples (units, then partitions, in order: the same for any worker count)."""
+    rules: Counter = Counter({r: 0 for r in Cleaner.RULES})
+    samples: dict[str, list[Any]] = {}
+
+    def add(name: str, examples: list[Any]) -> None:
+        have = samples.setdefault(name, [])
+        have.extend(examples[: SAMPLES_PER_RULE - len(have)])
+
+    for unit in units:
+        audit = unit.get("audit", {})
+        rules.update(audit.get("rules", {}))
+        for name, examples in audit.get("samples", {}).items():
+            add(name, examples)
+        for example in unit.get("examples", []):  # bad records: "file:line: reason: detail"
+            add(example.split(": ", 2)[1] if example.count(": ") >= 2 else "bad_record", [example])
+    for part in parts:
+        for name, examples in part.get("samples", {}).items():
+            add(name, examples)
+    return {"rules": dict(rules), "samples": dict(sorted(samples.items()))}
 
 
 def _simplified_converter() -> Any:
