@@ -31,8 +31,11 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
+import zlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +45,9 @@ import pyarrow.compute as pc
 
 from pipeline.errors import InputError
 from pipeline.io import atomic_write, atomic_write_json, temporary_name
+from pipeline.shards import shard_name
 from pipeline.stages.corpus.neardup import NearDupParams, band_hashes, near_duplicates, signatures
-from pipeline.stages.corpus.readers import Unit, line_number_base
+from pipeline.stages.corpus.readers import Unit, iter_lines, line_number_base
 
 Progress = Callable[[int], None]
 
@@ -253,6 +257,49 @@ class BadRecords:
             self.examples.append(message)
 
 
+def records(
+    unit: Unit, max_record_bytes: int, bad: BadRecords, counts: Counter, parse: Callable[[str], Any] | None
+) -> Iterator[tuple[int, Any]]:
+    """The unit's records, with their line numbers: each line's text (``parse`` None: plain text) or
+    the JSON object ``parse`` makes of it. Bad records go to ``bad`` (too long, invalid UTF-8, not a
+    JSON object), blank lines count as ``empty``, every line as ``records``; a stream that cannot be
+    read further is one ``unreadable`` record, and every record before the damage is kept."""
+    number = lines = 0
+    try:
+        for number, line, _ in iter_lines(unit, max_record_bytes):
+            lines += 1
+            if line is None:
+                bad(number, "too_long_record", f"longer than max_record_bytes={max_record_bytes}")
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad(number, "invalid_utf8", f"{exc.reason} at byte {exc.start}")
+                continue
+            if text.startswith("\ufeff"):  # a byte-order mark (first line of some Windows-made files)
+                text = text[1:]
+            if not text or text.isspace():
+                counts["empty"] += 1  # blank lines are normal between paragraphs: counted, not reported
+                continue
+            if parse is None:
+                yield number, text
+                continue
+            try:
+                obj = parse(text)
+            except ValueError as exc:
+                bad(number, "bad_json", str(exc))
+                continue
+            if not isinstance(obj, dict):
+                bad(number, "bad_json", f"a JSON {type(obj).__name__}, not an object")
+                continue
+            yield number, obj
+    except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
+        # A truncated or corrupt compressed stream: keep every record read before the damage.
+        bad(number + 1, "unreadable", f"stream cannot be read further ({exc}); later records are lost")
+    if lines:  # counted here, into ``counts`` once: cheaper (a Counter keeps a key given 0)
+        counts["records"] += lines
+
+
 # --------------------------------------------------------------------------------------------- pass 2
 def gather(pieces: list[tuple[str, list[int]]], schema: pa.Schema) -> pa.Table:
     """The listed record batches of each unit file, as one contiguous table: one copy up front, since
@@ -267,14 +314,23 @@ def gather_one(path: str, batch_indices: list[int], schema: pa.Schema) -> pa.Tab
         return pa.Table.from_batches([reader.get_batch(i) for i in batch_indices], schema)
 
 
-def write_partition(arrow_path: Path, table: pa.Table, schema: pa.Schema) -> None:
-    """A deduplicated partition, in record batches of ``DEDUP_BATCH_ROWS`` (pass 3 reads ranges)."""
+def write_partition(
+    work: Path, part: int, table: pa.Table, schema: pa.Schema, result: dict[str, Any], progress: Progress
+) -> dict[str, Any]:
+    """Pass 2's output for one partition: its deduplicated rows in record batches of
+    ``DEDUP_BATCH_ROWS`` (pass 3 reads ranges), then its record (``result``, with ``rows_in``, and the
+    file's size); returns the record."""
+    arrow_path, json_path = dedup_paths(work, part)
 
     def write(tmp: Path) -> None:
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema, options=IPC_OPTIONS) as w:
             w.write_table(table, max_chunksize=DEDUP_BATCH_ROWS)
 
     atomic_write(arrow_path, write, durable=False)
+    result["bytes"] = arrow_path.stat().st_size
+    write_json(json_path, result)
+    progress(result["rows_in"])
+    return result
 
 
 def near_dup_bucket(
@@ -342,6 +398,50 @@ def _contains(sorted_keys: np.ndarray, key: int) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- pass 3
+@dataclass(frozen=True)
+class OutputShard:
+    """Pass 3's job: output shard ``shard``, cut from ``pieces``, rows ``[lo, hi)`` of each listed
+    partition file in order, into blocks of ``rows_per_block``. With ``drops`` (near-duplicate
+    removal; one array of dropped keys per piece) the row numbers count the partition's rows without
+    the dropped ones."""
+
+    out: Path
+    work: Path
+    shard: int
+    pieces: list[tuple[str, int, int]]
+    rows_per_block: int
+    drops: list[np.ndarray] | None
+    seed: int
+
+    @property
+    def path(self) -> Path:
+        return self.out / shard_name(self.shard)
+
+    def rows(self, schema: pa.Schema) -> pa.Table:
+        """The shard's rows: without drops, only the record batches that hold each range are read; with
+        them, the whole partition (its row numbers are known only without the dropped rows)."""
+        tables = []
+        for number, (path, lo, hi) in enumerate(self.pieces):
+            if self.drops is not None:
+                table = read_partition(path, self.drops[number], self.seed)
+                tables.append(table.slice(lo, hi - lo).combine_chunks())
+                continue
+            with pa.OSFile(path) as source_file:
+                reader = pa.ipc.open_file(source_file)
+                first, last = lo // DEDUP_BATCH_ROWS, (hi - 1) // DEDUP_BATCH_ROWS
+                batches = [reader.get_batch(i) for i in range(first, last + 1)]
+                table = pa.Table.from_batches(batches, schema=schema)
+                tables.append(table.slice(lo - first * DEDUP_BATCH_ROWS, hi - lo).combine_chunks())
+        return pa.concat_tables(tables) if tables else schema.empty_table()
+
+    def done(self, meta: dict[str, Any], progress: Progress) -> dict[str, Any]:
+        """Record the shard just written (its manifest entry, and what else the stage counts): after
+        the shard, so that a record means a complete shard."""
+        write_json(shard_entry_path(self.work, self.shard), meta)
+        progress(meta["sentences"])
+        return meta
+
+
 def read_partition(path: str, drops: np.ndarray | None, seed: int) -> pa.Table:
     """A whole deduplicated partition, without the rows whose shuffle key is in ``drops``."""
     with pa.OSFile(path) as source_file:

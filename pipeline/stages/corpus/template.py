@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -43,6 +43,7 @@ from pipeline.errors import ConfigError, InputError
 from pipeline.shards import MANIFEST, shard_name, write_manifest
 from pipeline.stages.corpus import passes
 from pipeline.stages.corpus.neardup import NearDupParams
+from pipeline.stages.corpus.passes import Progress
 from pipeline.stages.corpus.readers import Unit, expand_inputs, plan_units
 from pipeline.stages.runner import EXECUTION_FIELDS, Execution
 
@@ -166,25 +167,34 @@ class Finished:
     drops: list[np.ndarray] | None  # per key partition, the keys near-duplicate removal dropped
 
 
+class CorpusPasses(Protocol):
+    """A corpus stage's passes module: module-level functions (a spawned worker imports them), each
+    called with its arguments and ``progress=`` (a callable that adds done rows to the bar)."""
+
+    def split_unit(self, work: Path, index: int, unit: Unit, params: Any, progress: Progress) -> dict:
+        """Pass 1 over one unit; ``params``: ``CorpusStage.split_params``; the record of
+        ``passes.unit_result``."""
+
+    def dedup_partition(
+        self, work: Path, part: int, pieces: list[tuple[str, list[int], Any]], seed: int, progress: Progress
+    ) -> dict:
+        """Pass 2 over one partition: (unit file, batch indices, the unit record's ``source``) in unit
+        order; the record of ``passes.write_partition``."""
+
+    def write_output_shard(self, job: passes.OutputShard, progress: Progress) -> dict:
+        """Pass 3: one output shard; the record of ``OutputShard.done``."""
+
+
 @dataclass(frozen=True)
 class CorpusStage:
-    """What a corpus stage adds to the template. The passes are module-level functions (a spawned
-    worker imports them), each called with its arguments and ``progress=``:
-
-    - ``split_unit(work, index, unit, params)``: pass 1; ``params`` is what ``split_params(cfg,
-      num_partitions)`` built (small and picklable); returns the unit's record (``passes.unit_result``)
-    - ``dedup_partition(work, part, pieces, seed)``: pass 2, ``pieces`` = (unit file, batch indices, the
-      unit record's ``source``) in unit order
-    - ``write_output_shard(out, work, shard, pieces, rows_per_block, drops, seed)``: pass 3
-    - ``finalize(cfg, plan, finished, elapsed)``: the manifest, through :func:`write_and_clean`.
-    """
+    """What a corpus stage adds to the template: its passes, and how to build pass 1's parameters
+    (``split_params(cfg, num_partitions)``: small and picklable) and the manifest
+    (``finalize(cfg, plan, finished, elapsed)``, through :func:`write_and_clean`)."""
 
     name: str  # the manifest's ``stage``
     unit: str  # what the progress bars count: "sent", "pair"
+    passes: CorpusPasses
     split_params: Callable[[Any, int], Any]
-    split_unit: Callable[..., dict[str, Any]]
-    dedup_partition: Callable[..., dict[str, Any]]
-    write_output_shard: Callable[..., dict[str, Any]]
     finalize: Callable[[Any, Plan, Finished, float], None]
 
 
@@ -320,7 +330,7 @@ def _split_phase(cfg: CorpusConfig, stage: CorpusStage, plan: Plan, executor: Ex
     mine = _mine(cfg, len(plan.units))
     todo = [u for u in mine if not passes.is_done(*passes.split_paths(cfg.work, u))]
     _log_skipped("split", "units", len(mine), len(todo))
-    jobs = [(stage.split_unit, (cfg.work, u, plan.units[u], params)) for u in todo]
+    jobs = [(stage.passes.split_unit, (cfg.work, u, plan.units[u], params)) for u in todo]
     with _bar(cfg, "split", stage.unit) as bar:
         for result in executor.run(jobs, bar.update):
             for example in result["examples"]:
@@ -387,7 +397,7 @@ def _dedup_phase(cfg: CorpusConfig, stage: CorpusStage, plan: Plan, executor: Ex
 
     # generators: each job's piece list is built when the job is handed out, not all of them up front
     jobs = itertools.chain(
-        ((stage.dedup_partition, (cfg.work, p, partition_pieces(p), cfg.seed)) for p in todo),
+        ((stage.passes.dedup_partition, (cfg.work, p, partition_pieces(p), cfg.seed)) for p in todo),
         ((passes.near_dup_bucket, (cfg.work, q, bucket_args(q), plan.num_partitions)) for q in todo_buckets),
     )
     with _bar(cfg, "dedup", stage.unit) as bar:
@@ -444,8 +454,11 @@ def _shards_phase(cfg: CorpusConfig, stage: CorpusStage, plan: Plan, executor: E
         """The dropped keys of each piece's partition: only those travel to the worker."""
         return None if drops is None else [drops[index[path]] for path, _, _ in pieces]
 
-    fn, args = stage.write_output_shard, (cfg.out, cfg.work)
-    jobs = [(fn, (*args, s, ranges[s], cfg.rows_per_block, piece_drops(ranges[s]), cfg.seed)) for s in todo]
+    def job(s: int) -> passes.OutputShard:
+        return passes.OutputShard(cfg.out, cfg.work, s, ranges[s], cfg.rows_per_block, piece_drops(ranges[s]),
+                                  cfg.seed)  # fmt: skip
+
+    jobs = [(stage.passes.write_output_shard, (job(s),)) for s in todo]
     with _bar(cfg, "shards", stage.unit) as bar:
         for _ in executor.run(jobs, bar.update):
             pass

@@ -23,8 +23,6 @@ import contextlib
 import gc
 import itertools
 import json
-import zipfile
-import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,23 +34,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.shards import write_shard
+from pipeline.stages.corpus import passes as corpus
 from pipeline.stages.corpus.neardup import NearDupParams
 from pipeline.stages.corpus.passes import RECORD_REASONS as RECORD_REASONS  # a pair manifest's too
-from pipeline.stages.corpus.passes import (
-    SAMPLES_PER_RULE,
-    BadRecords,
-    Progress,
-    UnitWriter,
-    dedup_paths,
-    gather,
-    read_partition,
-    shard_entry_path,
-    shuffle_keys,
-    unit_result,
-    write_json,
-    write_partition,
-)
-from pipeline.stages.corpus.readers import Unit, iter_lines
+from pipeline.stages.corpus.passes import BadRecords, OutputShard, Progress, UnitWriter
+from pipeline.stages.corpus.readers import Unit
 from pipeline.stages.pairs.extract import (
     EXTRACTORS,
     REQUIRED,
@@ -233,7 +219,7 @@ def split_unit(work: Path, index: int, unit: Unit, params: PairParams, progress:
         "examples": bad.examples,
         "audit": audit,
     }
-    return unit_result(work, index, result, band_batches)
+    return corpus.unit_result(work, index, result, band_batches)
 
 
 _SCAN_ONCE = json.JSONDecoder().scan_once  # what json.loads runs, less its checks
@@ -293,55 +279,31 @@ def _read_unit(
             candidates += [c for c, dropped in zip(tail, verdicts, strict=True) if not dropped]
         settled = len(candidates)
 
-    number = records = with_pairs = extracted = 0  # counted here, into ``counts`` at the end: cheaper
-    try:
-        for number, line, _ in iter_lines(unit, params.max_record_bytes):
-            records += 1
-            if line is None:
-                bad(number, "too_long_record", f"longer than max_record_bytes={params.max_record_bytes}")
+    with_pairs = extracted = 0  # counted here, into ``counts`` at the end: cheaper
+    parse = None if plain else _parse_json
+    for number, record in corpus.records(unit, params.max_record_bytes, bad, counts, parse):
+        if plain:
+            found = plain_pairs(record, cleaner, params.rules)
+        else:
+            missing = [f for f in required if not isinstance(record.get(f), (str, int))]
+            if missing:
+                bad(number, "missing_field", f"no string field {', '.join(missing)}")
                 continue
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                bad(number, "invalid_utf8", f"{exc.reason} at byte {exc.start}")
-                continue
-            if text.startswith("\ufeff"):
-                text = text[1:]
-            if not text or text.isspace():
-                counts["empty"] += 1
-                continue
-            if plain:
-                found = plain_pairs(text, cleaner, params.rules)
-            else:
-                try:
-                    obj = _parse_json(text)
-                except ValueError as exc:
-                    bad(number, "bad_json", str(exc))
-                    continue
-                if not isinstance(obj, dict):
-                    bad(number, "bad_json", f"a JSON {type(obj).__name__}, not an object")
-                    continue
-                missing = [f for f in required if not isinstance(obj.get(f), (str, int))]
-                if missing:
-                    bad(number, "missing_field", f"no string field {', '.join(missing)}")
-                    continue
-                found = extract(obj, cleaner, params.rules, note)
-            if not found:
-                counts["empty"] += 1
-                continue
-            with_pairs += 1
-            extracted += len(found)
-            candidates += found
-            # a batch is the records up to the first that brings FLUSH_PAIRS pairs past the sibling
-            # rule: settled only when the count with the undecided ones reaches it (log-many times)
+            found = extract(record, cleaner, params.rules, note)
+        if not found:
+            counts["empty"] += 1
+            continue
+        with_pairs += 1
+        extracted += len(found)
+        candidates += found
+        # a batch is the records up to the first that brings FLUSH_PAIRS pairs past the sibling
+        # rule: settled only when the count with the undecided ones reaches it (log-many times)
+        if len(candidates) >= FLUSH_PAIRS:
+            settle()
             if len(candidates) >= FLUSH_PAIRS:
-                settle()
-                if len(candidates) >= FLUSH_PAIRS:
-                    _filter_and_add(source, candidates, params, counts, writer, cleaner, samples, progress)
-                    candidates, settled = [], 0
-    except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
-        bad(number + 1, "unreadable", f"stream cannot be read further ({exc}); later records are lost")
-    for name, n in (("records", records), ("records_with_pairs", with_pairs), ("pairs_extracted", extracted)):
+                _filter_and_add(source, candidates, params, counts, writer, cleaner, samples, progress)
+                candidates, settled = [], 0
+    for name, n in (("records_with_pairs", with_pairs), ("pairs_extracted", extracted)):
         if n:  # a Counter keeps a key given 0: added only when there is something to add
             counts[name] += n
     settle()
@@ -356,10 +318,9 @@ def dedup_partition(
     """Pass 2 for one partition: gather its pairs from every unit (each piece's source is in its rows),
     sort, drop exact duplicates (equal ids); the first pair in (key, text, positive, source, kind,
     group, batch_key) order stays."""
-    arrow_path, json_path = dedup_paths(work, part)
-    table = gather([(path, batch_indices) for path, batch_indices, _ in pieces], PAIR_SCHEMA)
+    table = corpus.gather([(path, batch_indices) for path, batch_indices, _ in pieces], PAIR_SCHEMA)
     rows_in = table.num_rows
-    keys = shuffle_keys(table["id"].to_numpy(), seed)
+    keys = corpus.shuffle_keys(table["id"].to_numpy(), seed)
     sortable = table.append_column("key", pa.array(keys, pa.uint64()))
     order_keys = [("key", "ascending")] + [(n, "ascending") for n in PAIR_SCHEMA.names if n != "id"]
     order = pc.sort_indices(sortable, sort_keys=order_keys).to_numpy()
@@ -370,8 +331,8 @@ def dedup_partition(
     samples = [
         {"anchor": _short(a), "positive": _short(p)}
         for a, p in zip(
-            table["text"].take(dropped[:SAMPLES_PER_RULE]).to_pylist(),
-            table["positive"].take(dropped[:SAMPLES_PER_RULE]).to_pylist(),
+            table["text"].take(dropped[: corpus.SAMPLES_PER_RULE]).to_pylist(),
+            table["positive"].take(dropped[: corpus.SAMPLES_PER_RULE]).to_pylist(),
             strict=True,
         )
     ]
@@ -379,58 +340,37 @@ def dedup_partition(
     out = table.take(order[keep])
     del table
     unique_by_source = Counter(out["source"].to_pylist())
-    write_partition(arrow_path, out, PAIR_SCHEMA)
     result = {
         "partition": part,
         "rows_in": rows_in,
         "unique": out.num_rows,
         "duplicate_by_source": {s: n - unique_by_source.get(s, 0) for s, n in sorted(sources_in.items())},
         "samples": {"duplicate": samples} if samples else {},
-        "bytes": arrow_path.stat().st_size,
     }
-    write_json(json_path, result)
-    progress(rows_in)
-    return result
+    return corpus.write_partition(work, part, out, PAIR_SCHEMA, result, progress)
 
 
 # --------------------------------------------------------------------------------------------- pass 3
-def write_output_shard(
-    out: Path,
-    work: Path,
-    shard: int,
-    pieces: list[tuple[str, int, int]],
-    rows_per_block: int,
-    drops: list[np.ndarray] | None,
-    seed: int,
-    progress: Progress,
-) -> dict[str, Any]:
-    """Pass 3 for one shard: rows ``[lo, hi)`` of each listed partition (less its near duplicates),
-    in order, cut into blocks of ``rows_per_block``; the entry also counts pairs per source and kind."""
-    from pipeline.shards import shard_name
-
-    tables = []
-    for number, (path, lo, hi) in enumerate(pieces):
-        table = read_partition(path, None if drops is None else drops[number], seed)
-        tables.append(table.slice(lo, hi - lo).combine_chunks())
-    rows = pa.concat_tables(tables) if tables else PAIR_SCHEMA.empty_table()
+def write_output_shard(job: OutputShard, progress: Progress) -> dict[str, Any]:
+    """Pass 3 for one shard: its rows cut into blocks of ``rows_per_block``, one source each; the
+    record also counts pairs per source and kind."""
+    rows = job.rows(PAIR_SCHEMA)
     # One source per block (the shard's rows grouped by source, the shuffle order kept within each), so a
     # trainer knows every block's source from the manifest (``block_sources``) without reading a block.
     sources = np.asarray(rows["source"].to_pylist(), dtype=object)
     order = np.argsort(sources, kind="stable") if len(sources) else np.zeros(0, dtype=np.int64)
     cuts = [
-        (start, min(start + rows_per_block, end))
+        (start, min(start + job.rows_per_block, end))
         for begin, end in source_runs(sources[order])
-        for start in range(begin, end, rows_per_block)
+        for start in range(begin, end, job.rows_per_block)
     ]
     blocks = (rows.take(order[lo:hi]).combine_chunks() for lo, hi in cuts)
-    entry = write_shard(out / shard_name(shard), blocks, shard)
+    entry = write_shard(job.path, blocks, job.shard)
     entry["block_sources"] = [str(sources[order[lo]]) for lo, _ in cuts]
     by_source = Counter(rows["source"].to_pylist())
     by_kind = Counter(rows["kind"].to_pylist())
     meta = {**entry, "by_source": dict(sorted(by_source.items())), "by_kind": dict(sorted(by_kind.items()))}
-    write_json(shard_entry_path(work, shard), meta)
-    progress(entry["sentences"])
-    return meta
+    return job.done(meta, progress)
 
 
 def source_runs(sorted_sources: np.ndarray) -> list[tuple[int, int]]:

@@ -124,15 +124,7 @@ def _finalize(cfg: Config, plan: Plan, done: Finished, elapsed: float) -> None:
     )
 
 
-STAGE = CorpusStage(
-    name="pairs",
-    unit="pair",
-    split_params=_params,
-    split_unit=passes.split_unit,
-    dedup_partition=passes.dedup_partition,
-    write_output_shard=passes.write_output_shard,
-    finalize=_finalize,
-)
+STAGE = CorpusStage("pairs", unit="pair", passes=passes, split_params=_params, finalize=_finalize)
 
 
 def summed_counts(

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import zipfile
-import zlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,24 +25,21 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.shards import BASE_SCHEMA, shard_name, write_shard
+from pipeline.shards import BASE_SCHEMA, write_shard
 from pipeline.stages.corpus.neardup import NearDupParams
 from pipeline.stages.corpus.passes import (
-    DEDUP_BATCH_ROWS,
     SAMPLES_PER_RULE,
     BadRecords,
+    OutputShard,
     Progress,
     UnitWriter,
-    dedup_paths,
     gather_one,
-    read_partition,
-    shard_entry_path,
+    records,
     shuffle_keys,
     unit_result,
-    write_json,
     write_partition,
 )
-from pipeline.stages.corpus.readers import SOURCES, Unit, iter_lines
+from pipeline.stages.corpus.readers import SOURCES, Unit
 from pipeline.stages.preprocess.text import (
     Cleaner,
     ends_sentence,
@@ -146,63 +141,37 @@ def _read_unit(
     field_list = ", ".join(fields or [])
     tails = {f.split(".", 1)[1] for f in filters.truncated_fields if f.split(".", 1)[0] == unit.format}
     candidates: list[str] = []  # split sentences waiting for the (vectorised) length and CJK filters
-    number = 0
-    try:
-        for number, line, _ in iter_lines(unit, filters.max_record_bytes):
-            counts["records"] += 1
-            dropped = counts["title"] + counts["truncated"]  # sentences this record drops before filtering
-            if line is None:
-                bad(number, "too_long_record", f"longer than max_record_bytes={filters.max_record_bytes}")
+    parse = None if fields is None else json.loads
+    for number, record in records(unit, filters.max_record_bytes, bad, counts, parse):
+        dropped = counts["title"] + counts["truncated"]  # sentences this record drops before filtering
+        if fields is None:
+            values = [("", record)]
+        else:
+            values = [(f, v) for f in fields if isinstance(v := record.get(f), str)]
+            if not values:
+                bad(number, "missing_field", f"none of the text fields ({field_list}) is a string")
                 continue
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                bad(number, "invalid_utf8", f"{exc.reason} at byte {exc.start}")
-                continue
-            if text.startswith("\ufeff"):  # a byte-order mark (first line of some Windows-made files)
-                text = text[1:]
-            if not text or text.isspace():
-                counts["empty"] += 1  # blank lines are normal between paragraphs: counted, not reported
-                continue
-            if fields is None:
-                values = [("", text)]
-            else:
-                try:
-                    obj = json.loads(text)
-                except ValueError as exc:
-                    bad(number, "bad_json", str(exc))
-                    continue
-                if not isinstance(obj, dict):
-                    bad(number, "bad_json", f"a JSON {type(obj).__name__}, not an object")
-                    continue
-                values = [(f, v) for f in fields if isinstance(v := obj.get(f), str)]
-                if not values:
-                    bad(number, "missing_field", f"none of the text fields ({field_list}) is a string")
-                    continue
-                if unit.format == "wiki_zh":
-                    values = _without_title(values, obj.get("title"), counts, cleaner)
-            if any(has_control(v) for _, v in values):
-                counts["control_chars"] += 1  # removed by normalisation; the record is kept
-            before = len(candidates)
-            for field, value in values:
-                start = len(candidates)
-                for paragraph in cleaner.paragraphs(value):
-                    candidates += split_sentences(paragraph)
-                if field in tails and len(candidates) > start and not ends_sentence(candidates[-1]):
-                    counts["truncated"] += 1  # cut off mid-sentence at the collection's length limit
-                    cleaner.note_drop("truncated", candidates.pop())
-            split = len(candidates) - before + counts["title"] + counts["truncated"] - dropped
-            if split == 0:
-                counts["empty"] += 1
-                continue
-            counts["records_with_text"] += 1
-            counts["sentences_split"] += split
-            if len(candidates) >= FLUSH_SENTENCES:
-                _filter_and_add(candidates, filters, counts, writer, cleaner, progress)
-                candidates = []
-    except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
-        # A truncated or corrupt compressed stream: keep every record read before the damage.
-        bad(number + 1, "unreadable", f"stream cannot be read further ({exc}); later records are lost")
+            if unit.format == "wiki_zh":
+                values = _without_title(values, record.get("title"), counts, cleaner)
+        if any(has_control(v) for _, v in values):
+            counts["control_chars"] += 1  # removed by normalisation; the record is kept
+        before = len(candidates)
+        for field, value in values:
+            start = len(candidates)
+            for paragraph in cleaner.paragraphs(value):
+                candidates += split_sentences(paragraph)
+            if field in tails and len(candidates) > start and not ends_sentence(candidates[-1]):
+                counts["truncated"] += 1  # cut off mid-sentence at the collection's length limit
+                cleaner.note_drop("truncated", candidates.pop())
+        split = len(candidates) - before + counts["title"] + counts["truncated"] - dropped
+        if split == 0:
+            counts["empty"] += 1
+            continue
+        counts["records_with_text"] += 1
+        counts["sentences_split"] += split
+        if len(candidates) >= FLUSH_SENTENCES:
+            _filter_and_add(candidates, filters, counts, writer, cleaner, progress)
+            candidates = []
     if candidates:
         _filter_and_add(candidates, filters, counts, writer, cleaner, progress)
 
@@ -229,7 +198,6 @@ def dedup_partition(
     work: Path, part: int, pieces: list[tuple[str, list[int], int]], seed: int, progress: Progress
 ) -> dict[str, Any]:
     """Pass 2 for one partition: gather its rows from every unit, sort by key, drop exact duplicates."""
-    arrow_path, json_path = dedup_paths(work, part)
     tables, sources = [], []
     for path, batch_indices, source in pieces:
         tables.append(gather_one(path, batch_indices, _SPLIT_SCHEMA))
@@ -269,54 +237,24 @@ def dedup_partition(
     kept = table.take(final)
     del table
     out = pa.Table.from_arrays([kept["id"], kept["text"], source_names], schema=BASE_SCHEMA)
-    write_partition(arrow_path, out, BASE_SCHEMA)
     result = {
         "partition": part,
         "rows_in": rows_in,
         "unique": out.num_rows,
         "shared_keys": {str(k): n + 1 for k, n in sorted(shared_keys.items())},
         "samples": samples,
-        "bytes": arrow_path.stat().st_size,
     }
-    write_json(json_path, result)
-    progress(rows_in)
-    return result
+    return write_partition(work, part, out, BASE_SCHEMA, result, progress)
 
 
 # --------------------------------------------------------------------------------------------- pass 3
-def write_output_shard(
-    out: Path,
-    work: Path,
-    shard: int,
-    pieces: list[tuple[str, int, int]],
-    rows_per_block: int,
-    drops: list[np.ndarray] | None,
-    seed: int,
-    progress: Progress,
-) -> dict[str, Any]:
-    """Pass 3 for one shard: rows ``[lo, hi)`` of each listed partition file, in order, cut into blocks.
-
-    With ``drops`` (near-duplicate removal; one array of dropped keys per piece) the row numbers
-    count the partition's rows without the dropped ones, so the whole partition is read."""
-    tables = []
-    for number, (path, lo, hi) in enumerate(pieces):
-        if drops is not None:
-            tables.append(read_partition(path, drops[number], seed).slice(lo, hi - lo).combine_chunks())
-            continue
-        with pa.OSFile(path) as source_file:
-            reader = pa.ipc.open_file(source_file)
-            first, last = lo // DEDUP_BATCH_ROWS, (hi - 1) // DEDUP_BATCH_ROWS
-            batches = [reader.get_batch(i) for i in range(first, last + 1)]
-            table = pa.Table.from_batches(batches, schema=BASE_SCHEMA)
-            tables.append(table.slice(lo - first * DEDUP_BATCH_ROWS, hi - lo).combine_chunks())
-    rows = pa.concat_tables(tables)
+def write_output_shard(job: OutputShard, progress: Progress) -> dict[str, Any]:
+    """Pass 3 for one shard: its rows, in order, cut into blocks."""
+    rows = job.rows(BASE_SCHEMA)
     # Each block is a fresh copy (take), one record batch, whatever the partition boundaries and
     # slice offsets were: the bytes then depend on the rows only, not on P or the unit sizes.
     blocks = (
-        rows.take(np.arange(start, min(start + rows_per_block, rows.num_rows))).combine_chunks()
-        for start in range(0, rows.num_rows, rows_per_block)
+        rows.take(np.arange(start, min(start + job.rows_per_block, rows.num_rows))).combine_chunks()
+        for start in range(0, rows.num_rows, job.rows_per_block)
     )
-    entry = write_shard(out / shard_name(shard), blocks, shard)
-    write_json(shard_entry_path(work, shard), entry)
-    progress(entry["sentences"])
-    return entry
+    return job.done(write_shard(job.path, blocks, job.shard), progress)

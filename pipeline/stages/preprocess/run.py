@@ -150,15 +150,7 @@ def _finalize(cfg: Config, plan: Plan, done: Finished, elapsed: float) -> None:
     log.info("cleaning rules applied (fields changed): %s; examples in manifest.json audit.samples", rules)
 
 
-STAGE = CorpusStage(
-    name="preprocess",
-    unit="sent",
-    split_params=_filters,
-    split_unit=passes.split_unit,
-    dedup_partition=passes.dedup_partition,
-    write_output_shard=passes.write_output_shard,
-    finalize=_finalize,
-)
+STAGE = CorpusStage("preprocess", unit="sent", passes=passes, split_params=_filters, finalize=_finalize)
 
 
 def _near_dup_examples(cfg: Config, plan: Plan) -> list[dict[str, str]]:
