@@ -53,7 +53,7 @@ Phase = Literal["all", "split", "dedup", "shards", "finalize"]
 InputFormat = Literal[
     "auto", "plain", "wiki_zh", "news2016zh", "baike2018qa", "webtext2019zh", "translation2019zh"
 ]
-Pieces = list[tuple[str, int, int]]  # one output shard: (partition file, first row, end row) pieces
+ShardPieces = list[tuple[str, int, int]]  # one output shard: (partition file, first row, end row) pieces
 
 # Options that say how to run, not what to produce: left out of the manifest (so it is identical for
 # any --workers/--num-tasks) and free to change when a stopped run is resumed.
@@ -139,6 +139,7 @@ class CorpusConfig(Execution):
 
 
 def at_least_one(cfg: Any, *names: str) -> None:
+    """The check of a count option (rows per shard, minimum lengths): a one-line error below 1."""
     for name in names:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be >= 1, got {getattr(cfg, name)}")
@@ -201,14 +202,14 @@ class CorpusStage:
 # --------------------------------------------------------------------------------------------- run
 def run(cfg: CorpusConfig, stage: CorpusStage) -> int:
     started = time.perf_counter()
-    use_system_allocator()
+    _use_system_allocator()
     files = expand_inputs(cfg.inputs)
-    if already_finished(cfg):
+    if _already_finished(cfg):
         return 0
-    plan = load_or_make_plan(cfg, files)
+    plan = _load_or_make_plan(cfg, files)
     phases = ["split", "dedup", "shards", "finalize"] if cfg.phase == "all" else [cfg.phase]
     # logging_redirect_tqdm: log lines (bad records) print above the progress bar, not into it
-    with logging_redirect_tqdm(), Executor(cfg.workers) as executor:
+    with logging_redirect_tqdm(), _Executor(cfg.workers) as executor:
         for phase in phases:
             if phase == "split":
                 _split_phase(cfg, stage, plan, executor)
@@ -217,7 +218,7 @@ def run(cfg: CorpusConfig, stage: CorpusStage) -> int:
             elif phase == "shards":
                 _shards_phase(cfg, stage, plan, executor)
             elif cfg.task_index == 0:
-                stage.finalize(cfg, plan, finished(cfg, plan), time.perf_counter() - started)
+                stage.finalize(cfg, plan, _finished(cfg, plan), time.perf_counter() - started)
             else:
                 log.info("finalize: task %d has nothing to do (task 0 writes the manifest)", cfg.task_index)
     return 0
@@ -233,7 +234,7 @@ def _is_ours(path: Path, cfg: CorpusConfig) -> bool:
     )
 
 
-def already_finished(cfg: CorpusConfig) -> bool:
+def _already_finished(cfg: CorpusConfig) -> bool:
     """Refuse to clobber a foreign or different output; True if this exact run already finished."""
     out = cfg.out
     if not out.exists():
@@ -273,7 +274,7 @@ def _file_stamp(files: list[Path]) -> list[dict[str, Any]]:
     return [{"path": str(p), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} for p in files]
 
 
-def load_or_make_plan(cfg: CorpusConfig, files: list[Path]) -> Plan:
+def _load_or_make_plan(cfg: CorpusConfig, files: list[Path]) -> Plan:
     """The work units and partition count, fixed when a run starts and checked when it resumes."""
     path = cfg.work / "plan.json"
     stamp = _file_stamp(files)
@@ -325,7 +326,7 @@ def _bar(cfg: CorpusConfig, desc: str, unit: str) -> Any:
     return progress.bar(desc=desc, unit=unit, unit_scale=True, mininterval=1.0, disable=not cfg.progress)
 
 
-def _split_phase(cfg: CorpusConfig, stage: CorpusStage, plan: Plan, executor: Executor) -> None:
+def _split_phase(cfg: CorpusConfig, stage: CorpusStage, plan: Plan, executor: _Executor) -> None:
     params = stage.split_params(cfg, plan.num_partitions)
     mine = _mine(cfg, len(plan.units))
     todo = [u for u in mine if not passes.is_done(*passes.split_paths(cfg.work, u))]
@@ -368,7 +369,7 @@ class _Pieces:
         ]
 
 
-def _dedup_phase(cfg: CorpusConfig, stage: CorpusStage, plan: Plan, executor: Executor) -> None:
+def _dedup_phase(cfg: CorpusConfig, stage: CorpusStage, plan: Plan, executor: _Executor) -> None:
     """Exact dedup of each key partition and, with near-duplicate removal on, the rule of each
     band-hash bucket: P + Q independent pieces (Q = P buckets), spread over the tasks alike."""
     split = [passes.split_paths(cfg.work, u) for u in range(len(plan.units))]
@@ -420,13 +421,13 @@ def _partition_rows(metas: list[dict[str, Any]], drops: list[np.ndarray] | None)
     return [m["unique"] - passes.removed_rows(d, m.get("shared_keys", {})) for m, d in zip(metas, drops)]
 
 
-def _shard_ranges(cfg: CorpusConfig, plan: Plan, drops: list[np.ndarray] | None) -> list[Pieces]:
+def _shard_ranges(cfg: CorpusConfig, plan: Plan, drops: list[np.ndarray] | None) -> list[ShardPieces]:
     """For each output shard (``cfg.rows_per_shard`` rows each), the pieces it is cut from."""
     paths = [passes.dedup_paths(cfg.work, p) for p in range(plan.num_partitions)]
     rows = _partition_rows(_require(cfg, "dedup", paths), drops)
     total = sum(rows)
     size = cfg.rows_per_shard
-    ranges: list[Pieces] = [[] for _ in range(math.ceil(total / size))]
+    ranges: list[ShardPieces] = [[] for _ in range(math.ceil(total / size))]
     offset = 0
     for (arrow, _), count in zip(paths, rows, strict=True):
         lo, end = offset, offset + count
@@ -439,7 +440,7 @@ def _shard_ranges(cfg: CorpusConfig, plan: Plan, drops: list[np.ndarray] | None)
     return ranges
 
 
-def _shards_phase(cfg: CorpusConfig, stage: CorpusStage, plan: Plan, executor: Executor) -> None:
+def _shards_phase(cfg: CorpusConfig, stage: CorpusStage, plan: Plan, executor: _Executor) -> None:
     drops = _near_dup_drops(cfg, plan)
     ranges = _shard_ranges(cfg, plan, drops)
     mine = _mine(cfg, len(ranges))
@@ -450,13 +451,13 @@ def _shards_phase(cfg: CorpusConfig, stage: CorpusStage, plan: Plan, executor: E
     cfg.out.mkdir(parents=True, exist_ok=True)
     index = {str(passes.dedup_paths(cfg.work, p)[0]): p for p in range(plan.num_partitions)}
 
-    def piece_drops(pieces: Pieces) -> list[np.ndarray] | None:
+    def piece_drops(pieces: ShardPieces) -> list[np.ndarray] | None:
         """The dropped keys of each piece's partition: only those travel to the worker."""
         return None if drops is None else [drops[index[path]] for path, _, _ in pieces]
 
     def job(s: int) -> passes.OutputShard:
-        return passes.OutputShard(cfg.out, cfg.work, s, ranges[s], cfg.rows_per_block, piece_drops(ranges[s]),
-                                  cfg.seed)  # fmt: skip
+        drops_of = piece_drops(ranges[s])
+        return passes.OutputShard(cfg.out, cfg.work, s, ranges[s], cfg.rows_per_block, drops_of, cfg.seed)
 
     jobs = [(stage.passes.write_output_shard, (job(s),)) for s in todo]
     with _bar(cfg, "shards", stage.unit) as bar:
@@ -464,7 +465,7 @@ def _shards_phase(cfg: CorpusConfig, stage: CorpusStage, plan: Plan, executor: E
             pass
 
 
-def finished(cfg: CorpusConfig, plan: Plan) -> Finished:
+def _finished(cfg: CorpusConfig, plan: Plan) -> Finished:
     """Every piece's record, or an error naming the first phase that is not finished."""
     split = [passes.split_paths(cfg.work, u) for u in range(len(plan.units))]
     _require(cfg, "split", split, read=False)
@@ -517,10 +518,10 @@ _COUNTER: Any = None  # set in each worker process by _init_worker: the shared p
 def _init_worker(counter: Any) -> None:
     global _COUNTER
     _COUNTER = counter
-    use_system_allocator()
+    _use_system_allocator()
 
 
-def use_system_allocator() -> None:
+def _use_system_allocator() -> None:
     # Arrow's default mimalloc pool keeps freed pages mapped: a worker that handled one large piece
     # would keep that peak for the rest of the run. malloc returns them, and the passes allocate few,
     # large buffers, so it costs no measurable speed.
@@ -536,7 +537,7 @@ def _call(fn: Callable[..., Any], args: tuple) -> Any:
     return fn(*args, progress=_count)
 
 
-class Executor:
+class _Executor:
     """Runs pieces in this process (``workers=1``) or in a pool of spawned processes.
 
     Results come back in completion order; a failing piece stops the phase with its error. Workers
@@ -547,7 +548,7 @@ class Executor:
         self.workers = workers
         self.pool: Any = None
 
-    def __enter__(self) -> Executor:
+    def __enter__(self) -> _Executor:
         return self
 
     def __exit__(self, *exc: Any) -> None:

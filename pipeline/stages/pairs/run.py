@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -74,18 +74,8 @@ class Config(CorpusConfig):
         return self.pairs_per_shard
 
     def rules(self) -> PairRules:
-        return PairRules(
-            min_anchor_chars=self.min_anchor_chars,
-            max_anchor_chars=self.max_anchor_chars,
-            min_positive_chars=self.min_positive_chars,
-            max_positive_chars=self.max_positive_chars,
-            lead_chars=self.lead_chars,
-            min_cjk_ratio=self.min_cjk_ratio,
-            easy_prefix_ratio=self.easy_prefix_ratio,
-            easy_jaccard=self.easy_jaccard,
-            plain_neighbours=self.plain_neighbours,
-            to_simplified=self.to_simplified,
-        )
+        """The per-pair limits and rules: the config's fields of the same names."""
+        return PairRules(**{f.name: getattr(self, f.name) for f in fields(PairRules)})
 
 
 def run(cfg: Config) -> int:
