@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from pipeline.resources import SAMPLE_CORPUS
-from pipeline.stages.preprocess.neardup import NearDupParams, band_hashes, near_duplicates, signatures
+from pipeline.stages.corpus.neardup import NearDupParams, band_hashes, near_duplicates, signatures
 from pipeline.stages.preprocess.passes import text_ids
 from pipeline.stages.preprocess.text import clean_paragraphs, split_sentences
 

@@ -1,6 +1,6 @@
 """Convert the real pair files of ../shared/data/pairs/ into nlp_chinese_corpus's own JSON-lines formats.
 
-So the pairs stage's real readers (``pipeline/stages/preprocess/readers.py``) and extractors
+So the pairs stage's real readers (``pipeline/stages/corpus/readers.py``) and extractors
 (``pipeline/stages/pairs/extract.py``) read them as they would the collections:
 
 ==============================================  ==================  =========================================

@@ -48,9 +48,9 @@ def split_rate(inputs: Path, runs: int) -> tuple[int, float, dict[str, float]]:
     """Pass 1 alone over every unit, in this process: (records, CPU seconds, records/s per source),
     each the median of ``runs`` passes. One untimed unit first: the imports (pyarrow brings pandas)
     and the regex and table builds a worker process does once, whatever its share of the corpus."""
+    from pipeline.stages.corpus.readers import expand_inputs, plan_units
     from pipeline.stages.pairs import passes
     from pipeline.stages.pairs.extract import PairRules
-    from pipeline.stages.preprocess.readers import expand_inputs, plan_units
 
     units, _ = plan_units(expand_inputs([inputs]), "auto", 4 << 20, 4 << 20)
     params = passes.PairParams(PairRules(), 4 << 20, 8, 0, False)

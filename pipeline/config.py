@@ -12,6 +12,10 @@ Every field carries its help text in ``metadata["help"]``; use :func:`option` to
 
 Validation lives in each dataclass's ``__post_init__`` and raises :class:`ConfigError` with a message
 that says what to change.
+
+A section that earlier versions wrote and this one no longer holds is a :class:`Legacy` in the class's
+``LEGACY`` (the one compatibility spot): read when a config is made from a mapping (a file, overrides, a
+saved config), folded into the current fields, and never a field itself.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,13 +35,9 @@ from pipeline.errors import ConfigError
 T = TypeVar("T")
 
 
-def option(
-    default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None, saved: bool = True
-) -> Any:
-    """A dataclass field with a help string (shown by ``--help`` and in docs). ``saved=False``: a field
-    read at load only (a deprecated section its ``__post_init__`` converts), never written by
-    :func:`to_dict` nor listed by ``--help``."""
-    meta = {"help": help} if saved else {"help": help, "saved": False}
+def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = None) -> Any:
+    """A dataclass field with a help string (shown by ``--help`` and in docs)."""
+    meta = {"help": help}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     if isinstance(default, (list, dict, set)):
@@ -123,9 +124,26 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Legacy:
+    """A section of earlier versions that a config class reads but does not hold (its ``LEGACY``):
+    ``schema``, a dataclass, checks the section's keys and types (in a file, a saved config or
+    ``--section.key=value`` overrides); ``read(data, section)`` returns the mapping without it, the
+    section folded into the current keys. Not a field: :func:`to_dict` and ``--help`` never see it."""
+
+    schema: type
+    read: Callable[[dict[str, Any], Any], dict[str, Any]]
+
+
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _key_types(cls: type) -> dict[str, Any]:
+    """What a mapping for ``cls`` may hold: its fields, and the sections of earlier versions it reads."""
+    legacy = getattr(cls, "LEGACY", {})
+    return {**_field_types(cls), **{name: section.schema for name, section in legacy.items()}}
 
 
 def _unknown_key(cls: type, key: str, prefix: str) -> ConfigError:
@@ -136,7 +154,12 @@ def _unknown_key(cls: type, key: str, prefix: str) -> ConfigError:
 
 
 def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
-    """Build dataclass ``cls`` from a nested mapping, checking keys and types."""
+    """Build dataclass ``cls`` from a nested mapping, checking keys and types (a section of an earlier
+    version, listed in ``cls.LEGACY``, read into the current keys first)."""
+    for name, legacy in getattr(cls, "LEGACY", {}).items():
+        if name in data:
+            section = _coerce(data[name], legacy.schema, prefix + name)
+            data = legacy.read({k: v for k, v in data.items() if k != name}, section)
     types_ = _field_types(cls)
     kwargs = {}
     for key, value in data.items():
@@ -152,11 +175,7 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
 def to_dict(cfg: Any) -> Any:
     """The resolved config as plain YAML/JSON-serialisable data (paths become strings)."""
     if dataclasses.is_dataclass(cfg):
-        return {
-            f.name: to_dict(getattr(cfg, f.name))
-            for f in dataclasses.fields(cfg)
-            if f.metadata.get("saved", True)
-        }
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, (list, tuple)):
         return [to_dict(v) for v in cfg]
     if isinstance(cfg, dict):
@@ -171,7 +190,7 @@ def _set_dotted(data: dict[str, Any], cls: type, dotted: str, value: Any) -> Non
     parts = dotted.split(".")
     node, node_cls, prefix = data, cls, ""
     for i, part in enumerate(parts):
-        types_ = _field_types(node_cls)
+        types_ = _key_types(node_cls)
         if part not in types_:
             raise _unknown_key(node_cls, part, prefix)
         if i == len(parts) - 1:
@@ -193,7 +212,7 @@ def field_type(cls: type, dotted: str) -> Any:
     for part in dotted.split("."):
         if not dataclasses.is_dataclass(tp):
             raise ConfigError(f"'{prefix.rstrip('.')}' is not a section; cannot set '{dotted}'")
-        types_ = _field_types(tp)
+        types_ = _key_types(tp)
         if part not in types_:
             raise _unknown_key(tp, part, prefix)
         tp, prefix = types_[part], f"{prefix}{part}."
@@ -268,8 +287,6 @@ def help_lines(cls: type, prefix: str = "") -> list[str]:
     own = set(cls.__dict__.get("__annotations__", {}))
     # A class's own fields first, then those it inherits (e.g. a stage's execution options).
     for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
-        if not f.metadata.get("saved", True):
-            continue
         tp = types_[f.name]
         if dataclasses.is_dataclass(tp):
             lines.extend(help_lines(tp, f"{prefix}{f.name}."))

@@ -1,11 +1,11 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import pytest
 
 from pipeline.cli import build_config, parse_cli
-from pipeline.config import load_config, option, to_dict
+from pipeline.config import Legacy, from_dict, help_lines, load_config, option, to_dict
 from pipeline.errors import ConfigError
 
 
@@ -122,3 +122,48 @@ def test_literal_no_survives_yaml_and_cli_booleans(tmp_path):
     assert build_config(Precision, ["--mixed_precision=no"]).mixed_precision == "no"
     with pytest.raises(ConfigError, match="mixed_precision: True is not one of"):
         build_config(Precision, ["--mixed_precision=yes"])
+
+
+@dataclass
+class OldSection:
+    speed: float | None = option(None, "the old name of optim.lr")
+
+
+def read_old(data, section):
+    if section.speed is None:
+        return data
+    return {**data, "optim": {**data.get("optim", {}), "lr": section.speed}}
+
+
+@dataclass
+class Versioned(Cfg):
+    LEGACY: ClassVar[dict[str, Legacy]] = {"old": Legacy(OldSection, read_old)}
+
+
+def test_a_legacy_section_is_read_at_load_and_never_a_field(tmp_path):
+    """A section of earlier versions (``LEGACY``): read from a file, dotted overrides or a saved mapping,
+    its keys and types checked; not a field, so neither to_dict nor --help shows it."""
+    y = tmp_path / "old.yaml"
+    y.write_text("old:\n  speed: 0.25\n")
+    assert load_config(Versioned, y).optim.lr == 0.25
+    assert build_config(Versioned, ["--old.speed=0.5"]).optim.lr == 0.5
+    assert from_dict(Versioned, {"old": {"speed": None}}).optim.lr == 1e-3  # a section of nulls: nothing
+    with pytest.raises(ConfigError, match="unknown config key 'old.sped'"):
+        build_config(Versioned, ["--old.sped=1"])
+    with pytest.raises(ConfigError, match=r"old.speed: expected float \| None"):
+        from_dict(Versioned, {"old": {"speed": "fast"}})
+    cfg = load_config(Versioned, y)
+    assert "old" not in to_dict(cfg) and "old" not in {f.name for f in fields(cfg)}
+    assert "--old" not in "\n".join(help_lines(Versioned))
+
+
+def test_the_training_config_reads_objective_at_load_only():
+    """issue 42: ``objective:`` is off the live training Config (no field, no --help line); an old config's
+    section still loads, read into ``loss`` (tests/test_loss_terms.py checks what it reads as)."""
+    from pipeline.train.config import PROJECT_ROOT, Config
+
+    assert "objective" not in {f.name for f in fields(Config)}
+    assert "--objective" not in "\n".join(help_lines(Config))
+    debug = PROJECT_ROOT / "launch" / "configs" / "debug.yaml"
+    cfg = load_config(Config, debug, {"objective.momentum": 0.9})
+    assert cfg.loss[0]["luse"]["momentum"] == 0.9 and "objective" not in to_dict(cfg)

@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pipeline.config", "pipeline.io", "pipeline.normalize", "pipeline.devices"),  # + where to compute
     ("pipeline.shards", "pipeline.vectors", "pipeline.run_layout", "pipeline.resources"),  # formats; data
     ("pipeline.model", "pipeline.stages", "pipeline.stages.runner"),  # the encoder; the stage runner
-    ("pipeline.losses",),  # loss terms over embeddings
+    ("pipeline.losses", "pipeline.stages.corpus"),  # loss terms; what the corpus stages share
     ("pipeline.data",),  # training batches from shards and pair files
     ("pipeline.evaluate",),  # scoring
     ("pipeline.train",),  # the trainer: reads the stages' output through the formats, never the stages

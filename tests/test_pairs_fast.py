@@ -19,7 +19,7 @@ from pipeline.shards import read_manifest, read_shard
 from pipeline.stages.pairs import extract, passes
 from pipeline.stages.pairs.extract import PairRules, key_text, key_texts, too_easy
 from pipeline.stages.pairs.run import Config, run
-from pipeline.stages.preprocess.text import _LEADING, ends_sentence, split_sentences
+from pipeline.stages.preprocess.text import LEADING, ends_sentence, split_sentences
 
 EDGE = [
     "ＡＢＣ１２３！ 你好，世界。",
@@ -175,7 +175,7 @@ def test_lead_splits_lazily_to_the_same_result():
     for text in texts:
         # what the fast path relies on: the sentences join back into the paragraph less its lead
         for paragraph in cleaner.paragraphs(text):
-            assert "".join(split_sentences(paragraph)) == paragraph.lstrip(_LEADING)
+            assert "".join(split_sentences(paragraph)) == paragraph.lstrip(LEADING)
         for budget in (3, 10, 30, 256):
             for first, tail in ((False, False), (False, True), (True, False)):
                 expected = _lead_one_split(cleaner, text, budget, first, tail)
@@ -186,7 +186,7 @@ def test_field_paragraphs_is_cleaner_paragraphs():
     from pipeline.stages.preprocess import text
 
     def touched(c: str) -> bool:  # what some cleaning rule acts on, asked of the rules' own patterns
-        spaces = text._WHITESPACE_RE.match(c) and c not in extract._BREAKS
+        spaces = text.WHITESPACE_RE.match(c) and c not in extract._BREAKS
         return bool(text.CONTROL_RE.match(c) or text._FULL_WIDTH_RE.match(c) or spaces or c in "<&{}")
 
     pattern = extract.NEEDS_CLEANING

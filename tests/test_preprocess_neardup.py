@@ -1,6 +1,6 @@
 import numpy as np
 
-from pipeline.stages.preprocess.neardup import NearDupParams, band_hashes, near_duplicates, signatures
+from pipeline.stages.corpus.neardup import NearDupParams, band_hashes, near_duplicates, signatures
 
 
 def _jaccard(a: str, b: str, k: int = 3) -> float:

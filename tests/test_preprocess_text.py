@@ -5,8 +5,9 @@ import pytest
 
 from pipeline.errors import InputError
 from pipeline.shards import sentence_id
-from pipeline.stages.preprocess.passes import partition_of, shuffle_keys, text_ids
-from pipeline.stages.preprocess.readers import Unit, detect_format, iter_lines, line_number_base, plan_units
+from pipeline.stages.corpus.passes import partition_of, shuffle_keys
+from pipeline.stages.corpus.readers import Unit, detect_format, iter_lines, line_number_base, plan_units
+from pipeline.stages.preprocess.passes import text_ids
 from pipeline.stages.preprocess.text import (
     Cleaner,
     cjk_count,

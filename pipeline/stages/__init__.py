@@ -5,5 +5,7 @@ one), ``teacher`` (+ teacher embeddings and mined hard negatives), ``tokenize`` 
 ``fetch`` (pretrained encoders from pinned wheels, the ``models`` command). They share
 :mod:`pipeline.stages.runner`: one execution config (workers, SLURM array task, finalize-only,
 progress) and the shard-stage template that ``augment``, ``teacher`` and ``tokenize`` run (fingerprint,
-claim, completion records, one process pool, finalize).
+claim, completion records, one process pool, finalize). ``preprocess`` and ``pairs``, the corpus
+stages, run the corpus-stage template of :mod:`pipeline.stages.corpus` (readers, work plan, the split,
+dedup, shards and finalize phases).
 """

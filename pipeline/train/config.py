@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pipeline.config import option, to_dict
+from pipeline.config import Legacy, option, to_dict
 from pipeline.errors import ConfigError
 from pipeline.losses import DEFAULT_LOSS, TERMS, Loss, build_loss
 from pipeline.losses.legacy import LegacyObjective, convert_objective
@@ -398,6 +398,19 @@ LOSS_HELP = (
 )
 
 
+def read_objective(data: dict[str, Any], section: LegacyObjective) -> dict[str, Any]:
+    """A config mapping with its deprecated ``objective:`` section (a file's, a saved config's,
+    ``--objective.*`` overrides) read into ``loss`` and ``data.teacher_dim``
+    (:func:`pipeline.losses.legacy.convert_objective`, the one reader of that section)."""
+    given, loss = section.given(), data.get("loss", list(DEFAULT_LOSS))
+    if not given or not isinstance(loss, list):  # nothing set, or a `loss` its own check refuses
+        return data
+    loss, teacher_dim = convert_objective(loss, given, TERMS)
+    if teacher_dim is None:
+        return {**data, "loss": loss}
+    return {**data, "loss": loss, "data": {**(data.get("data") or {}), "teacher_dim": teacher_dim}}
+
+
 @dataclass
 class Config:
     data: DataConfig = option(factory=DataConfig, help="Training data and views.")
@@ -411,14 +424,10 @@ class Config:
         Path("runs/default"), "Output directory: config, logs, metrics, checkpoints, model."
     )
     resume: str = option("auto", "auto (newest valid checkpoint in run_dir, else fresh), never, or a path.")
-    objective: LegacyObjective = option(
-        factory=LegacyObjective,
-        help="Deprecated: the old flat loss section, read into `loss` at load, never saved.",
-        saved=False,
-    )
+    # the deprecated `objective:` section: read into `loss` when the config is made, never a field
+    LEGACY: ClassVar[dict[str, Legacy]] = {"objective": Legacy(LegacyObjective, read_objective)}
 
     def __post_init__(self) -> None:
-        self.read_legacy_objective()
         loss = self.terms()  # checks every term's fields
         self.loss = as_entries(loss.terms)  # every field resolved: config.yaml records the recipe
         d, t = self.data, self.train
@@ -462,18 +471,6 @@ class Config:
             raise ConfigError(
                 "train.gradcache_chunk_size is not supported with DeepSpeed; use DDP or set it to 0"
             )
-
-    def read_legacy_objective(self) -> None:
-        """Read a deprecated ``objective:`` section (or ``--objective.*`` overrides) into ``loss``
-        (:func:`pipeline.losses.legacy.convert_objective`, the one reader of that section)."""
-        given = self.objective.given()
-        if not given:
-            return
-        self.loss, teacher_dim = convert_objective(self.loss, given, TERMS)
-        if teacher_dim is not None:
-            self.data.teacher_dim = teacher_dim
-            DataConfig.__post_init__(self.data)
-        self.objective = LegacyObjective()
 
     def terms(self) -> Loss:
         """The loss's weighted terms, parsed from ``loss``."""

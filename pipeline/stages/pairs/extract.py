@@ -48,13 +48,13 @@ import numpy as np
 
 from pipeline.normalize import normalize_text
 from pipeline.stages.preprocess.text import (
-    _CONTROL,
-    _FULL_TO_HALF,
-    _INVISIBLE,
-    _LEADING,
-    _WHITESPACE_RE,
+    CONTROL,
+    FULL_TO_HALF,
+    INVISIBLE,
+    LEADING,
+    WHITESPACE_RE,
     Cleaner,
-    _char_class,
+    char_class,
     ends_sentence,
     remove_whitespace,
     split_sentences,
@@ -297,20 +297,20 @@ def _cleaning_points() -> list[int]:
     """Every character some cleaning rule acts on: markup starts (``<``, ``&``, braces), control and
     invisible characters, full-width forms, whitespace other than ``_BREAKS`` (which holds the other
     line breaks of str.splitlines)."""
-    spaces = [cp for cp in range(0x3001) if _WHITESPACE_RE.fullmatch(chr(cp)) and chr(cp) not in _BREAKS]
-    points = _CONTROL + _INVISIBLE + list(range(0xD800, 0xE000)) + list(_FULL_TO_HALF) + spaces
+    spaces = [cp for cp in range(0x3001) if WHITESPACE_RE.fullmatch(chr(cp)) and chr(cp) not in _BREAKS]
+    points = CONTROL + INVISIBLE + list(range(0xD800, 0xE000)) + list(FULL_TO_HALF) + spaces
     return points + [ord(c) for c in "<&{}"]
 
 
 _CLEANING_POINTS = _cleaning_points()
-NEEDS_CLEANING = re.compile(_char_class(_CLEANING_POINTS))  # built at import: 3 ms
+NEEDS_CLEANING = re.compile(char_class(_CLEANING_POINTS))  # built at import: 3 ms
 # the same or a line break: a value without one is a single clean line (one search tells)
-_CLEANING_OR_BREAK = re.compile(_char_class(_CLEANING_POINTS + [ord(c) for c in _BREAKS]))
+_CLEANING_OR_BREAK = re.compile(char_class(_CLEANING_POINTS + [ord(c) for c in _BREAKS]))
 # the same less the spaces (" ", and "\u3000" which cleaning makes one): a value whose only cleaning
 # characters are those needs only ``Cleaner.line_spaces`` on each line (no markup, control,
 # full-width or other whitespace character)
 _SPACES = " \u3000"
-_CLEANING_BUT_SPACES = re.compile(_char_class(cp for cp in _CLEANING_POINTS if chr(cp) not in _SPACES))
+_CLEANING_BUT_SPACES = re.compile(char_class(cp for cp in _CLEANING_POINTS if chr(cp) not in _SPACES))
 
 
 def field_paragraphs(cleaner: Cleaner, value: str) -> list[str]:
@@ -355,7 +355,7 @@ def lead(
     cut = raw_cut or cut_tail  # then an unterminated last sentence (of more than one) goes
     # A paragraph's sentences join back into it less its leading separators (``split_sentences``
     # leaves no other character out): a paragraph that fits whole is taken whole, unsplit.
-    stripped = [s for p in paragraphs if (s := p.lstrip(_LEADING))]
+    stripped = [s for p in paragraphs if (s := p.lstrip(LEADING))]
     whole = "".join(stripped)
     if len(whole) <= budget:
         if not cut or not whole or ends_sentence(whole):

@@ -1,12 +1,13 @@
-"""The three parallel passes of the pairs stage: preprocess's passes (``preprocess/passes.py``) over pairs.
+"""The pairs stage's three passes over pairs (the template, the work files and the writer they share
+with preprocess: ``pipeline/stages/corpus``).
 
-pass 1, ``split``   one input unit -> records read (preprocess's readers and bad-record audit), pairs
+pass 1, ``split``   one input unit -> records read (the corpus readers and bad-record audit), pairs
                     extracted (``extract.py``), cleaned, filtered, hashed and routed by shuffle key into
                     partitions: ``split/unit-NNNNNN.arrow`` + ``.json``; with near-duplicate removal
                     also the pairs' (band hash, key) rows, routed into buckets (``.bands.arrow``).
 pass 2, ``dedup``   one partition from every unit -> sorted by (shuffle key, columns), exact duplicates
                     (same pair key) removed: ``dedup/part-NNNNNN.arrow`` + ``.json``; one piece per
-                    near-duplicate bucket, run by preprocess's own ``near_dup_bucket``.
+                    near-duplicate bucket (``corpus.passes.near_dup_bucket``).
 pass 3, ``shards``  one output shard = a range of the global order -> ``OUT/shard-NNNNNN.tar`` (block
                     index beside it) + ``shards/shard-NNNNNN.json`` (its entry and per-source counts).
 
@@ -22,8 +23,6 @@ import contextlib
 import gc
 import itertools
 import json
-import zipfile
-import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,8 +33,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.io import atomic_write
 from pipeline.shards import write_shard
+from pipeline.stages.corpus import passes as corpus
+from pipeline.stages.corpus.neardup import NearDupParams
+from pipeline.stages.corpus.passes import RECORD_REASONS as RECORD_REASONS  # a pair manifest's too
+from pipeline.stages.corpus.passes import BadRecords, OutputShard, Progress, UnitWriter
+from pipeline.stages.corpus.readers import Unit
 from pipeline.stages.pairs.extract import (
     EXTRACTORS,
     REQUIRED,
@@ -47,25 +50,6 @@ from pipeline.stages.pairs.extract import (
     sibling_duplicates,
     too_easy,
 )
-from pipeline.stages.preprocess.neardup import NearDupParams, band_hashes, signatures
-from pipeline.stages.preprocess.passes import (
-    _BAND_SCHEMA,
-    _IPC_OPTIONS,
-    DEDUP_BATCH_ROWS,
-    SAMPLES_PER_RULE,
-    Progress,
-    _BadRecords,
-    _RoutedWriter,
-    bands_path,
-    dedup_paths,
-    partition_of,
-    read_partition,
-    shard_entry_path,
-    shuffle_keys,
-    split_paths,
-    write_json,
-)
-from pipeline.stages.preprocess.readers import Unit, iter_lines
 from pipeline.stages.preprocess.text import Cleaner, filter_sentences
 
 # Columns of a pair shard (shards/README.md): the base columns (text = the anchor) and the pair's own.
@@ -80,7 +64,6 @@ PAIR_SCHEMA = pa.schema(
         pa.field("batch_key", pa.string(), nullable=False),  # topic / category / news source, or ""
     ]
 )
-RECORD_REASONS = ("empty", "invalid_utf8", "bad_json", "missing_field", "too_long_record", "unreadable")
 SIDE_REASONS = ("too_short", "too_long", "low_cjk")
 PAIR_REASONS = (
     *(f"{side}_{r}" for side in ("anchor", "positive") for r in SIDE_REASONS),
@@ -103,40 +86,6 @@ class PairParams:
     seed: int
     strict: bool
     neardup: NearDupParams | None = None
-
-
-class _Writer:
-    """Routes one unit's kept pairs into key partitions and, with near-duplicate removal on, their
-    (band hash, key) rows into buckets."""
-
-    def __init__(self, work: Path, index: int, params: PairParams):
-        self.params = params
-        self.pairs = _RoutedWriter(split_paths(work, index)[0], PAIR_SCHEMA)
-        self.bands = _RoutedWriter(bands_path(work, index), _BAND_SCHEMA) if params.neardup else None
-
-    def add(self, columns: dict[str, Any], keys_text: list[str]) -> None:
-        keys = shuffle_keys(columns["id"], self.params.seed)
-        parts = partition_of(keys, self.params.num_partitions)
-        table = pa.table({**{n: pa.array(columns[n], PAIR_SCHEMA.field(n).type) for n in PAIR_SCHEMA.names},
-                          "part": parts})  # fmt: skip
-        self.pairs.add(table, 3 * sum(map(len, columns["text"])) + 3 * sum(map(len, columns["positive"])))
-        nd = self.params.neardup
-        if self.bands is not None and nd is not None:
-            hashes = band_hashes(signatures(keys_text, nd, self.params.seed), nd).ravel()
-            buckets = partition_of(hashes, self.params.num_partitions)
-            rows = pa.table({"band": hashes, "key": np.repeat(keys, nd.bands), "part": buckets})
-            self.bands.add(rows, 24 * len(hashes))
-
-    def close(self) -> tuple[dict[str, list[int]], dict[str, list[int]] | None]:
-        batches = self.pairs.close()
-        return batches, self.bands.close() if self.bands is not None else None
-
-    def abort(self) -> None:
-        try:
-            self.pairs.abort()
-        finally:
-            if self.bands is not None:
-                self.bands.abort()
 
 
 class _Samples:
@@ -162,7 +111,7 @@ def _filter_and_add(
     candidates: list[Candidate],
     params: PairParams,
     counts: Counter,
-    writer: _Writer,
+    writer: UnitWriter,
     cleaner: Cleaner,
     samples: _Samples,
     progress: Progress,
@@ -227,7 +176,8 @@ def _filter_and_add(
     for kind, n in Counter(columns["kind"]).items():  # the kept pairs' kinds
         counts[f"kind:{kind}"] += n
     if rows:
-        writer.add(columns, keys_text)
+        nbytes = 3 * sum(map(len, columns["text"])) + 3 * sum(map(len, columns["positive"]))
+        writer.add(columns, nbytes, keys_text)
     progress(len(candidates))
 
 
@@ -247,10 +197,9 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
 def split_unit(work: Path, index: int, unit: Unit, params: PairParams, progress: Progress) -> dict[str, Any]:
     """Pass 1 for one unit: read, extract, clean, filter, route into partitions. Returns its counts."""
-    arrow_path, json_path = split_paths(work, index)
     counts: Counter = Counter()
-    bad = _BadRecords(unit, counts, params.strict)
-    writer = _Writer(work, index, params)
+    bad = BadRecords(unit, counts, params.strict)
+    writer = UnitWriter(work, index, PAIR_SCHEMA, params.num_partitions, params.seed, params.neardup)
     cleaner = Cleaner(params.rules.to_simplified)
     samples = _Samples()
     try:
@@ -269,13 +218,8 @@ def split_unit(work: Path, index: int, unit: Unit, params: PairParams, progress:
         "batches": batches,
         "examples": bad.examples,
         "audit": audit,
-        "bytes": arrow_path.stat().st_size,
     }
-    if band_batches is not None:
-        result["band_batches"] = band_batches
-        result["extra_bytes"] = {bands_path(work, index).name: bands_path(work, index).stat().st_size}
-    write_json(json_path, result)
-    return result
+    return corpus.unit_result(work, index, result, band_batches)
 
 
 _SCAN_ONCE = json.JSONDecoder().scan_once  # what json.loads runs, less its checks
@@ -298,8 +242,8 @@ def _read_unit(
     unit: Unit,
     params: PairParams,
     counts: Counter,
-    bad: _BadRecords,
-    writer: _Writer,
+    bad: BadRecords,
+    writer: UnitWriter,
     cleaner: Cleaner,
     samples: _Samples,
     progress: Progress,
@@ -335,55 +279,31 @@ def _read_unit(
             candidates += [c for c, dropped in zip(tail, verdicts, strict=True) if not dropped]
         settled = len(candidates)
 
-    number = records = with_pairs = extracted = 0  # counted here, into ``counts`` at the end: cheaper
-    try:
-        for number, line, _ in iter_lines(unit, params.max_record_bytes):
-            records += 1
-            if line is None:
-                bad(number, "too_long_record", f"longer than max_record_bytes={params.max_record_bytes}")
+    with_pairs = extracted = 0  # counted here, into ``counts`` at the end: cheaper
+    parse = None if plain else _parse_json
+    for number, record in corpus.records(unit, params.max_record_bytes, bad, counts, parse):
+        if plain:
+            found = plain_pairs(record, cleaner, params.rules)
+        else:
+            missing = [f for f in required if not isinstance(record.get(f), (str, int))]
+            if missing:
+                bad(number, "missing_field", f"no string field {', '.join(missing)}")
                 continue
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                bad(number, "invalid_utf8", f"{exc.reason} at byte {exc.start}")
-                continue
-            if text.startswith("\ufeff"):
-                text = text[1:]
-            if not text or text.isspace():
-                counts["empty"] += 1
-                continue
-            if plain:
-                found = plain_pairs(text, cleaner, params.rules)
-            else:
-                try:
-                    obj = _parse_json(text)
-                except ValueError as exc:
-                    bad(number, "bad_json", str(exc))
-                    continue
-                if not isinstance(obj, dict):
-                    bad(number, "bad_json", f"a JSON {type(obj).__name__}, not an object")
-                    continue
-                missing = [f for f in required if not isinstance(obj.get(f), (str, int))]
-                if missing:
-                    bad(number, "missing_field", f"no string field {', '.join(missing)}")
-                    continue
-                found = extract(obj, cleaner, params.rules, note)
-            if not found:
-                counts["empty"] += 1
-                continue
-            with_pairs += 1
-            extracted += len(found)
-            candidates += found
-            # a batch is the records up to the first that brings FLUSH_PAIRS pairs past the sibling
-            # rule: settled only when the count with the undecided ones reaches it (log-many times)
+            found = extract(record, cleaner, params.rules, note)
+        if not found:
+            counts["empty"] += 1
+            continue
+        with_pairs += 1
+        extracted += len(found)
+        candidates += found
+        # a batch is the records up to the first that brings FLUSH_PAIRS pairs past the sibling
+        # rule: settled only when the count with the undecided ones reaches it (log-many times)
+        if len(candidates) >= FLUSH_PAIRS:
+            settle()
             if len(candidates) >= FLUSH_PAIRS:
-                settle()
-                if len(candidates) >= FLUSH_PAIRS:
-                    _filter_and_add(source, candidates, params, counts, writer, cleaner, samples, progress)
-                    candidates, settled = [], 0
-    except (OSError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
-        bad(number + 1, "unreadable", f"stream cannot be read further ({exc}); later records are lost")
-    for name, n in (("records", records), ("records_with_pairs", with_pairs), ("pairs_extracted", extracted)):
+                _filter_and_add(source, candidates, params, counts, writer, cleaner, samples, progress)
+                candidates, settled = [], 0
+    for name, n in (("records_with_pairs", with_pairs), ("pairs_extracted", extracted)):
         if n:  # a Counter keeps a key given 0: added only when there is something to add
             counts[name] += n
     settle()
@@ -393,20 +313,14 @@ def _read_unit(
 
 # --------------------------------------------------------------------------------------------- pass 2
 def dedup_partition(
-    work: Path, part: int, pieces: list[tuple[str, list[int]]], seed: int, progress: Progress
+    work: Path, part: int, pieces: list[tuple[str, list[int], str]], seed: int, progress: Progress
 ) -> dict[str, Any]:
-    """Pass 2 for one partition: gather its pairs from every unit, sort, drop exact duplicates (equal
-    ids); the first pair in (key, text, positive, source, kind, group, batch_key) order stays."""
-    arrow_path, json_path = dedup_paths(work, part)
-    tables = []
-    for path, batch_indices in pieces:
-        with pa.OSFile(path) as source_file:
-            reader = pa.ipc.open_file(source_file)
-            tables.append(pa.Table.from_batches([reader.get_batch(i) for i in batch_indices], PAIR_SCHEMA))
-    table = pa.concat_tables(tables).combine_chunks() if tables else PAIR_SCHEMA.empty_table()
-    del tables
+    """Pass 2 for one partition: gather its pairs from every unit (each piece's source is in its rows),
+    sort, drop exact duplicates (equal ids); the first pair in (key, text, positive, source, kind,
+    group, batch_key) order stays."""
+    table = corpus.gather([(path, batch_indices) for path, batch_indices, _ in pieces], PAIR_SCHEMA)
     rows_in = table.num_rows
-    keys = shuffle_keys(table["id"].to_numpy(), seed)
+    keys = corpus.shuffle_keys(table["id"].to_numpy(), seed)
     sortable = table.append_column("key", pa.array(keys, pa.uint64()))
     order_keys = [("key", "ascending")] + [(n, "ascending") for n in PAIR_SCHEMA.names if n != "id"]
     order = pc.sort_indices(sortable, sort_keys=order_keys).to_numpy()
@@ -417,8 +331,8 @@ def dedup_partition(
     samples = [
         {"anchor": _short(a), "positive": _short(p)}
         for a, p in zip(
-            table["text"].take(dropped[:SAMPLES_PER_RULE]).to_pylist(),
-            table["positive"].take(dropped[:SAMPLES_PER_RULE]).to_pylist(),
+            table["text"].take(dropped[: corpus.SAMPLES_PER_RULE]).to_pylist(),
+            table["positive"].take(dropped[: corpus.SAMPLES_PER_RULE]).to_pylist(),
             strict=True,
         )
     ]
@@ -426,63 +340,37 @@ def dedup_partition(
     out = table.take(order[keep])
     del table
     unique_by_source = Counter(out["source"].to_pylist())
-
-    def write(tmp: Path) -> None:
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, PAIR_SCHEMA, options=_IPC_OPTIONS) as w:
-            w.write_table(out, max_chunksize=DEDUP_BATCH_ROWS)
-
-    atomic_write(arrow_path, write, durable=False)
     result = {
         "partition": part,
         "rows_in": rows_in,
         "unique": out.num_rows,
         "duplicate_by_source": {s: n - unique_by_source.get(s, 0) for s, n in sorted(sources_in.items())},
         "samples": {"duplicate": samples} if samples else {},
-        "bytes": arrow_path.stat().st_size,
     }
-    write_json(json_path, result)
-    progress(rows_in)
-    return result
+    return corpus.write_partition(work, part, out, PAIR_SCHEMA, result, progress)
 
 
 # --------------------------------------------------------------------------------------------- pass 3
-def write_output_shard(
-    out: Path,
-    work: Path,
-    shard: int,
-    pieces: list[tuple[str, int, int]],
-    rows_per_block: int,
-    drops: list[np.ndarray] | None,
-    seed: int,
-    progress: Progress,
-) -> dict[str, Any]:
-    """Pass 3 for one shard: rows ``[lo, hi)`` of each listed partition (less its near duplicates),
-    in order, cut into blocks of ``rows_per_block``; the entry also counts pairs per source and kind."""
-    from pipeline.shards import shard_name
-
-    tables = []
-    for number, (path, lo, hi) in enumerate(pieces):
-        table = read_partition(path, None if drops is None else drops[number], seed)
-        tables.append(table.slice(lo, hi - lo).combine_chunks())
-    rows = pa.concat_tables(tables) if tables else PAIR_SCHEMA.empty_table()
+def write_output_shard(job: OutputShard, progress: Progress) -> dict[str, Any]:
+    """Pass 3 for one shard: its rows cut into blocks of ``rows_per_block``, one source each; the
+    record also counts pairs per source and kind."""
+    rows = job.rows(PAIR_SCHEMA)
     # One source per block (the shard's rows grouped by source, the shuffle order kept within each), so a
     # trainer knows every block's source from the manifest (``block_sources``) without reading a block.
     sources = np.asarray(rows["source"].to_pylist(), dtype=object)
     order = np.argsort(sources, kind="stable") if len(sources) else np.zeros(0, dtype=np.int64)
     cuts = [
-        (start, min(start + rows_per_block, end))
+        (start, min(start + job.rows_per_block, end))
         for begin, end in source_runs(sources[order])
-        for start in range(begin, end, rows_per_block)
+        for start in range(begin, end, job.rows_per_block)
     ]
     blocks = (rows.take(order[lo:hi]).combine_chunks() for lo, hi in cuts)
-    entry = write_shard(out / shard_name(shard), blocks, shard)
+    entry = write_shard(job.path, blocks, job.shard)
     entry["block_sources"] = [str(sources[order[lo]]) for lo, _ in cuts]
     by_source = Counter(rows["source"].to_pylist())
     by_kind = Counter(rows["kind"].to_pylist())
     meta = {**entry, "by_source": dict(sorted(by_source.items())), "by_kind": dict(sorted(by_kind.items()))}
-    write_json(shard_entry_path(work, shard), meta)
-    progress(entry["sentences"])
-    return meta
+    return job.done(meta, progress)
 
 
 def source_runs(sorted_sources: np.ndarray) -> list[tuple[int, int]]:

@@ -20,12 +20,13 @@ from typing import Any
 
 import numpy as np
 
-SAMPLES_PER_RULE = 3  # examples kept per cleaning rule or drop reason (per unit, then per run)
+from pipeline.stages.corpus.passes import SAMPLES_PER_RULE  # examples per rule or reason (unit, run)
+
 SAMPLE_CHARS = 80  # an example is cut to about this many characters
 MIN_CJK = 2  # a kept sentence has at least this many CJK ideographs, whatever its share
 
 
-def _char_class(codepoints: Iterable[int]) -> str:
+def char_class(codepoints: Iterable[int]) -> str:
     """A regex character class written as ranges: sre tests ranges much faster than long char lists."""
     points = sorted(set(codepoints))
     ranges: list[list[int]] = []
@@ -42,22 +43,22 @@ def _char_class(codepoints: Iterable[int]) -> str:
 # the symbols that only occur inside numbers, code or Latin text. Full-width ，。！？；：（）and the
 # Chinese quotes stay as they are: they are the normal Chinese punctuation, and LUSE keeps them.
 _KEEP_FULL_WIDTH = set("！，；：？（）")
-_FULL_TO_HALF = {cp: cp - 0xFEE0 for cp in range(0xFF01, 0xFF5F) if chr(cp) not in _KEEP_FULL_WIDTH}
-_FULL_TO_HALF[0x3000] = 0x20  # ideographic space -> space (then removed like any whitespace)
+FULL_TO_HALF = {cp: cp - 0xFEE0 for cp in range(0xFF01, 0xFF5F) if chr(cp) not in _KEEP_FULL_WIDTH}
+FULL_TO_HALF[0x3000] = 0x20  # ideographic space -> space (then removed like any whitespace)
 
 # Control characters and invisible format characters carry no text: C0 except tab/newline/CR (which
 # are whitespace and handled below), DEL, C1, zero-width space/joiners, BOM, bidi controls.
-_CONTROL = [c for c in range(0x20) if c not in (0x09, 0x0A, 0x0D)] + [0x7F] + list(range(0x80, 0xA0))
+CONTROL = [c for c in range(0x20) if c not in (0x09, 0x0A, 0x0D)] + [0x7F] + list(range(0x80, 0xA0))
 # Lone surrogates (JSON can encode them, UTF-8 cannot) are removed too.
-_INVISIBLE = [0x200B, 0x200C, 0x200D, 0x200E, 0x200F, 0x2060, 0xFEFF] + list(range(0x202A, 0x202F))
-CONTROL_RE = re.compile(_char_class(_CONTROL + _INVISIBLE + list(range(0xD800, 0xE000))))
+INVISIBLE = [0x200B, 0x200C, 0x200D, 0x200E, 0x200F, 0x2060, 0xFEFF] + list(range(0x202A, 0x202F))
+CONTROL_RE = re.compile(char_class(CONTROL + INVISIBLE + list(range(0xD800, 0xE000))))
 
-_HALF_WIDTH = {chr(k): chr(v) for k, v in _FULL_TO_HALF.items()}
-_FULL_WIDTH_RE = re.compile(_char_class(_FULL_TO_HALF))
+_HALF_WIDTH = {chr(k): chr(v) for k, v in FULL_TO_HALF.items()}
+_FULL_WIDTH_RE = re.compile(char_class(FULL_TO_HALF))
 
 # What str.split() treats as whitespace, spelled out: 3x faster to search than \s in Unicode mode.
-_WHITESPACE_RE = re.compile(
-    _char_class(
+WHITESPACE_RE = re.compile(
+    char_class(
         [9, 10, 11, 12, 13, 0x1C, 0x1D, 0x1E, 0x1F, 0x20, 0x85, 0xA0, 0x1680, 0x2028, 0x2029, 0x202F]
     )[:-1]
     + "\u2000-\u200a\u205f\u3000]+"
@@ -125,7 +126,8 @@ _BRACKET_EDGE_RE = re.compile(
 _TERMINATORS = "。！？；!?;…"
 _CLOSERS = "”’」』）)】》〕〗〉\"'"
 _CONTINUATION = "，、,：:"
-_LEADING = "，、,：:；;" + _CLOSERS.replace('"', "").replace("'", "")
+# what no sentence starts with: split_sentences (and the pairs stage's leads) strip it off a paragraph
+LEADING = "，、,：:；;" + _CLOSERS.replace('"', "").replace("'", "")
 _SENTENCE_RE = re.compile(
     rf"(?:[^{_TERMINATORS}]++|[{_TERMINATORS}]++[{_CLOSERS}]*+(?=[{_CONTINUATION}])"
     rf"|…++[{_CLOSERS}]++(?=[^{_TERMINATORS}]))*+(?:[{_TERMINATORS}]++[{_CLOSERS}]*+)?"
@@ -150,9 +152,9 @@ def normalise(text: str) -> str:
 def remove_whitespace(text: str) -> str:
     """Drop whitespace inside Chinese text; keep one space between two Latin words; a space between
     two Chinese clauses becomes "，" unless the line looks word-segmented (see ``CLAUSE_CHARS``)."""
-    if _WHITESPACE_RE.search(text) is None:
+    if WHITESPACE_RE.search(text) is None:
         return text
-    text = _WHITESPACE_RE.sub(" ", text).strip()
+    text = WHITESPACE_RE.sub(" ", text).strip()
     gaps = len(_CLAUSE_GAP_RE.findall(text))
     if gaps and cjk_count(text) >= CLAUSE_CHARS * (gaps + 1):
         text = _CLAUSE_GAP_RE.sub("，", text)
@@ -161,7 +163,7 @@ def remove_whitespace(text: str) -> str:
 
 def split_sentences(paragraph: str) -> list[str]:
     """Split one cleaned paragraph (no newlines) into sentences, terminators kept at the end."""
-    return [s for s in _SENTENCE_RE.findall(paragraph.lstrip(_LEADING)) if s]
+    return [s for s in _SENTENCE_RE.findall(paragraph.lstrip(LEADING)) if s]
 
 
 def _conversion(match: re.Match) -> str:
@@ -422,7 +424,7 @@ class Cleaner:
 
     def line_spaces(self, line: str) -> str:
         """``remove_whitespace`` on one line; spaces that became clause commas are counted."""
-        if _WHITESPACE_RE.search(line) is None:
+        if WHITESPACE_RE.search(line) is None:
             return line
         cleaned = remove_whitespace(line)
         if "，" in cleaned and cleaned.count("，") > line.count("，"):
@@ -431,6 +433,30 @@ class Cleaner:
 
     def audit(self) -> dict[str, Any]:
         return {"rules": dict(sorted(self.rules.items())), "samples": dict(sorted(self.samples.items()))}
+
+
+def merged_audit(units: list[dict[str, Any]], parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A manifest's ``audit`` from the units' ``Cleaner.audit()`` and bad-record examples and the
+    partitions' samples: per cleaning rule the fields it changed, and for every rule and drop reason
+    the first few examples (units, then partitions, in order: the same for any worker count)."""
+    rules: Counter = Counter({r: 0 for r in Cleaner.RULES})
+    samples: dict[str, list[Any]] = {}
+
+    def add(name: str, examples: list[Any]) -> None:
+        have = samples.setdefault(name, [])
+        have.extend(examples[: SAMPLES_PER_RULE - len(have)])
+
+    for unit in units:
+        audit = unit.get("audit", {})
+        rules.update(audit.get("rules", {}))
+        for name, examples in audit.get("samples", {}).items():
+            add(name, examples)
+        for example in unit.get("examples", []):  # bad records: "file:line: reason: detail"
+            add(example.split(": ", 2)[1] if example.count(": ") >= 2 else "bad_record", [example])
+    for part in parts:
+        for name, examples in part.get("samples", {}).items():
+            add(name, examples)
+    return {"rules": dict(rules), "samples": dict(sorted(samples.items()))}
 
 
 def _simplified_converter() -> Any:

@@ -1,4 +1,5 @@
-"""Input side of preprocessing: find input files, cut them into work units, detect formats, read records.
+"""Input side of the corpus stages (preprocess, pairs): find input files, cut them into work units,
+detect formats, read records.
 
 A *work unit* is the smallest piece of input that one process handles: a whole compressed file, one
 zip member, or a byte range of an uncompressed file (so one 8 GB JSON-lines file still spreads over
