@@ -140,8 +140,9 @@ def test_distillation_hard_negatives_and_teacher_queue_in_train_step(tmp_path, s
     assert all(math.isfinite(float(v)) for k, v in out.items() if k.endswith("loss"))
     assert out["embeddings"].shape[:2] == (n, b // 2)  # the last micro-batch's views only
     # the teacher queue holds the teacher rows of the enqueued originals, in the same order as the keys
-    torch.testing.assert_close(t.teacher_queue.negatives(), batch["teacher"].to(t.teacher_queue.keys.dtype))
-    assert t.queue.fill == t.teacher_queue.fill == b
+    queue, teacher_queue = t.loss.states()["queue"], t.loss.states()["teacher_queue"]  # the terms' own
+    torch.testing.assert_close(teacher_queue.negatives(), batch["teacher"].to(teacher_queue.keys.dtype))
+    assert queue.fill == teacher_queue.fill == b
     t.close()
 
 

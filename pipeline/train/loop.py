@@ -14,7 +14,6 @@ every rank because every decision depends only on the step counter or on a value
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -30,7 +29,6 @@ from pipeline import progress
 from pipeline.data.collate import Batch
 from pipeline.errors import ConfigError
 from pipeline.evaluate.sts import score_pairs
-from pipeline.losses import StepOutput
 from pipeline.run_layout import step_of
 from pipeline.train.build import Trainer
 from pipeline.train.checkpoint import save_model
@@ -45,49 +43,22 @@ from pipeline.train.guard import (
     read_checks,
     step_verdict,
 )
-from pipeline.train.metrics import Throughput, alignment_uniformity
+from pipeline.train.metrics import Throughput, alignment_uniformity, checksum
 from pipeline.train.signals import EXIT_CODE_PREEMPTED, CheckpointPolicy
 
 log = logging.getLogger(__name__)
 
 
-def _to(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if x is None else x.to(device, non_blocking=True)
-
-
 def compute_objective(
     t: Trainer, encoded: torch.Tensor | tuple[torch.Tensor, torch.Tensor], batch: Batch
 ) -> dict[str, torch.Tensor]:
-    """The loss's weighted total ``loss`` and each term's value over one micro-batch's step output.
+    """The loss's weighted total ``loss`` and each term's value over one micro-batch's step output
+    (:class:`~pipeline.losses.terms.TrainLoss`: the terms lend their state, a queue, themselves).
 
     ``encoded`` is what the model's forward returned: the rows (N, H), or (rows, MLM logits (B, L, V))
-    when the model has an MLM head. Rows [0, n*B) are the n views, rows [n*B, (n+m)*B) the m hard
-    negatives of each sentence.
+    when the model has an MLM head.
     """
-    rows, mlm_logits = encoded if isinstance(encoded, tuple) else (encoded, None)
-    batch = Batch.of(batch)
-    n, m = batch.num_views, batch.num_hard_negatives
-    b = rows.shape[0] // (n + m)
-    device = rows.device
-    out = StepOutput(
-        views=rows[: n * b].view(n, b, rows.shape[-1]),  # (n, B, H)
-        hard_negatives=rows[n * b :].view(m, b, rows.shape[-1]) if m else None,  # (m, B, H)
-        labels=None if batch.labels is None else batch.labels.to(device),
-        teacher=_to(batch.teacher, device),  # (B, D_t)
-        queue=t.queue.negatives() if t.queue is not None else None,  # (filled, H)
-        teacher_queue=t.teacher_queue.negatives() if t.teacher_queue is not None else None,
-        mlm_logits=mlm_logits,
-        mlm_labels=None if mlm_logits is None else _to(batch.mlm_labels, device),  # (B, L)
-        head=t.module.head,
-        ids=_to(batch.ids, device),  # (B,) int64: false-negative control
-        text_hashes=_to(batch.text_hashes, device),
-        queue_ids=t.queue.negative_ids() if t.queue is not None else None,  # (filled,)
-        queue_text_hashes=t.queue.negative_text_hashes() if t.queue is not None else None,  # (filled,)
-        groups=_to(batch.groups, device),  # pair shards
-        positive_text_hashes=_to(batch.positive_text_hashes, device),
-        teacher_positive=_to(batch.teacher_positive, device),
-    )
-    return t.loss(out)
+    return t.loss(encoded, Batch.of(batch), t.module.head).as_dict()
 
 
 def forward(t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch) -> Any:
@@ -101,33 +72,6 @@ def forward(t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch) -> Any:
 def micro_batches(batch: Batch | dict[str, Any], parts: int) -> list[Batch]:
     """A rank's batch as ``parts`` micro-batches of whole sentences (:meth:`Batch.split`)."""
     return Batch.of(batch).split(parts)
-
-
-def enqueue_keys(
-    t: Trainer,
-    rows: torch.Tensor,
-    inputs: dict[str, torch.Tensor],
-    mb: Batch,
-    apply: torch.Tensor | None = None,
-) -> None:
-    """Keys of this micro-batch's originals into the queue with their sentence ids and text hashes, and
-    their teacher embeddings into the teacher queue alongside (gathered from all ranks: collectives).
-    ``apply``: the step's verdict on the device (see :func:`deferred`)."""
-    if t.queue is None:
-        return
-    b = rows.shape[0] // mb.rows_per_sentence
-    if t.momentum_encoder is not None:
-        keys = t.momentum_encoder.encode(
-            input_ids=inputs["input_ids"][:b], attention_mask=inputs["attention_mask"][:b]
-        )
-    else:
-        keys = rows[:b].detach()  # momentum 0: a memory bank of the online view-0 embeddings
-    # (B, H) per rank -> (W * B, H) on every rank, with each key's sentence id and text hash (B,)
-    ids = mb.ids if mb.groups is None else mb.groups  # pair shards: luse's rules compare the groups
-    t.queue.enqueue_gathered(keys, ids, mb.text_hashes, apply)
-    if t.teacher_queue is not None:
-        teacher = mb.teacher.to(keys.device)  # (B, D_t) -> (W * B, D_t) in the queue
-        t.teacher_queue.enqueue_gathered(teacher, apply=apply)
 
 
 def guarded(t: Trainer) -> bool:
@@ -234,7 +178,7 @@ def local_backward_and_step(
     :func:`judge_and_step`. Each micro-batch enqueues its keys before the verdict is known: with several
     micro-batches under the guard the queues are copied first and put back when the step is refused."""
     acc = t.accelerator
-    snapshot = queue_snapshot(t) if guarded(t) and len(mbs) > 1 else []
+    snapshot = t.loss.snapshot() if guarded(t) and len(mbs) > 1 else []
     result: StepResult | None = None
     for mb in mbs:
         inputs = mb.inputs(acc.device)
@@ -246,7 +190,7 @@ def local_backward_and_step(
                 judge_and_step(t, result)
             t.optimizer.zero_grad(set_to_none=True)
         if result.applied:
-            enqueue_keys(t, rows, inputs, mb, result.apply)
+            t.loss.after_micro_batch(rows, inputs, mb, result.apply)  # e.g. enqueue (collectives)
     if not result.applied:
         for queue, state in snapshot:
             queue.load_state_dict(state)
@@ -302,7 +246,7 @@ def deepspeed_backward_and_step(t: Trainer, mbs: list[Batch]) -> StepResult:
             parts = [*(result.parts if result else []), {k: v.detach() for k, v in part.items()}]
             result = StepResult(parts, rows, mb, check)
         if result.applied:
-            enqueue_keys(t, rows, inputs, mb)
+            t.loss.after_micro_batch(rows, inputs, mb)
     return result
 
 
@@ -356,12 +300,6 @@ def engine_skips_overflow(engine: Any) -> bool:
         return False
 
 
-def queue_snapshot(t: Trainer) -> list[tuple[Any, dict[str, torch.Tensor]]]:
-    """Copies of the queues' states, to put back when a step with several micro-batches is skipped."""
-    queues = [q for q in (t.queue, t.teacher_queue) if q is not None]
-    return [(q, {k: v.clone() for k, v in q.state_dict().items()}) for q in queues]
-
-
 def train_step(t: Trainer, batch: Batch) -> dict[str, Any]:
     """One optimizer step over this rank's slice of a global batch; returns detached device tensors.
 
@@ -373,8 +311,7 @@ def train_step(t: Trainer, batch: Batch) -> dict[str, Any]:
     t.schedule.apply(t.state.step)  # before backward: DeepSpeed steps inside accelerator.backward
     result = backward_and_step(t)(t, micro_batches(batch, t.cfg.train.grad_accum_steps))
     if result.applied:
-        if t.momentum_encoder is not None:
-            t.momentum_encoder.update(t.module.encoder, t.loss.needs.momentum, result.apply)
+        t.loss.after_step(t.module.encoder, result.apply)  # e.g. the momentum encoder follows
         t.state.step += 1  # deferred: provisional, a skip found at the next log step is taken back
         t.state.samples_seen += t.cfg.train.global_batch_size
     return step_record(t, result)
@@ -387,7 +324,7 @@ def step_record(t: Trainer, result: StepResult) -> dict[str, Any]:
     n, b = mb.num_views, rows.shape[0] // mb.rows_per_sentence
     out: dict[str, Any] = {"embeddings": rows[: n * b].detach().view(n, b, -1)}  # (n, B, H), last micro-batch
     out["loss"] = torch.stack([p["loss"] for p in parts]).mean()
-    term_parts = {wt.term.part for wt in t.loss.terms}
+    term_parts = t.loss.parts
     for key in parts[0].keys() - {"loss"}:
         values = torch.stack([p[key] for p in parts])
         if key not in term_parts:  # a count a term reports (luse's false_negatives), over micro-batches
@@ -421,8 +358,7 @@ def log_step(t: Trainer, out: dict[str, torch.Tensor], throughput: Throughput, b
     if out["embeddings"].shape[0] >= 2:
         align, uniform = alignment_uniformity(out["embeddings"])
         record["alignment"], record["uniformity"] = align.item(), uniform.item()
-    if t.queue is not None:
-        record["queue_fill"] = t.queue.fill_fraction
+    record.update(t.loss.report())  # e.g. the queue's fill fraction
     t.metrics.log(record, t.state.step)
     if bar is not None:
         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
@@ -752,13 +688,6 @@ def finish(t: Trainer) -> None:
     dist.barrier()
 
 
-def _checksum(tensors: list[torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for x in tensors:
-        h.update(x.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 def write_debug_dump(t: Trainer) -> None:
     """RUN_DIR/debug/rank{r}.json: checksums the multi-process tests compare across ranks."""
     folder = t.cfg.run_dir / "debug"
@@ -771,9 +700,10 @@ def write_debug_dump(t: Trainer) -> None:
         "step": t.state.step,
         "samples_seen": t.state.samples_seen,
         "cursor": t.stream.state_dict(),
-        "param_checksum": _checksum(params),
+        "param_checksum": checksum(params),
         "param_sum": float(sum(p.detach().double().sum() for p in params)),
-        "queue_checksum": _checksum([t.queue.keys]) if t.queue is not None else None,
-        "queue_fill": t.queue.fill if t.queue is not None else None,
+        "queue_checksum": None,
+        "queue_fill": None,
+        **t.loss.dump(),  # a queue's checksum and fill, from the term that holds it
     }
     (folder / f"rank{dist.rank()}.json").write_text(json.dumps(dump, indent=2) + "\n", encoding="utf-8")
