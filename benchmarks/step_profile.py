@@ -27,7 +27,7 @@ import torch
 
 from pipeline.cli import build_config
 from pipeline.data.collate import Batch
-from pipeline.train import loop
+from pipeline.train import engines, loop
 from pipeline.train.build import Trainer, build
 from pipeline.train.config import Config
 
@@ -47,9 +47,9 @@ def timed_step(t: Trainer, batch: dict[str, Any], times: dict[str, list[float]])
     t.schedule.apply(t.state.step)
     inputs = {k: batch[k].to(acc.device) for k in ("input_ids", "attention_mask")}
     with acc.accumulate(t.model):
-        encoded = loop.forward(t, inputs, batch)  # bf16: autocasts itself (build.autocast_bf16_on_cpu)
+        encoded = engines.forward(t, inputs, batch)  # bf16: autocasts itself (build.autocast_bf16_on_cpu)
         lap("forward")
-        part = loop.compute_objective(t, encoded, batch)
+        part = engines.compute_objective(t, encoded, batch)
         rows = encoded[0] if isinstance(encoded, tuple) else encoded
         lap("loss")
         acc.backward(part["loss"])

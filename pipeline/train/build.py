@@ -38,6 +38,7 @@ from pipeline.model.layers import keep_layers, reinitialise, set_dropout
 from pipeline.model.vocab import SCRATCH_SMALL, read_model_config, unk_rate, write_vocab
 from pipeline.resources import EVAL_DIR
 from pipeline.shards import ShardSet, read_shard, read_shard_set, shard_paths
+from pipeline.train.callbacks import Callbacks
 from pipeline.train.checkpoint import Checkpointer, check_compatible
 from pipeline.train.config import Config, OptimConfig, resolve_saved_paths
 from pipeline.train.metrics import MetricsLogger
@@ -91,6 +92,7 @@ class Trainer:
     checkpointer: Checkpointer | None = None
     preemption: PreemptionHandler | None = None
     sts_valid: PairSet | None = None  # rank 0 only: the STS-B valid pairs scored by evaluate()
+    callbacks: Callbacks = field(default_factory=Callbacks)  # hooks into the run (train() sets them)
 
     @property
     def encoder(self) -> SentenceEncoder:
