@@ -93,6 +93,8 @@ class Trainer:
     preemption: PreemptionHandler | None = None
     sts_valid: PairSet | None = None  # rank 0 only: the STS-B valid pairs scored by evaluate()
     callbacks: Callbacks = field(default_factory=Callbacks)  # hooks into the run (train() sets them)
+    engine: Any = None  # the step's engine (pipeline/train/engines.py), chosen once by train()
+    guard: Any = None  # the guard's part in each step (engines.GuardPolicy), decided once by train()
 
     @property
     def encoder(self) -> SentenceEncoder:

@@ -9,7 +9,6 @@ see the loss before its backward and the guard's verdict.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,7 +105,7 @@ def optimizer_step(t: Trainer, skip: torch.Tensor | None) -> None:
 
 @dataclass
 class StepResult:
-    """What every engine's :func:`backward_and_step` returns: the same small record for each."""
+    """What every engine (:class:`Engine`) returns: the same small record for each."""
 
     parts: list[dict[str, torch.Tensor]]  # each micro-batch's detached loss parts (``loss`` the total)
     rows: torch.Tensor  # (N, H) the last micro-batch's encoded rows: n views, then m hard negatives
@@ -125,7 +124,20 @@ class StepResult:
         return None if self.verdict is None else self.verdict.finite
 
 
-def judge_and_step(t: Trainer, result: StepResult) -> None:
+@dataclass(frozen=True)
+class GuardPolicy:
+    """How the non-finite guard takes part in a run's steps, decided once (:func:`guard_policy`) and handed
+    to the engine: whether it judges each step, and whether its verdict stays on the device."""
+
+    judges: bool  # the guard decides each step (guard_off says why not)
+    defers: bool  # its verdict stays on the device, read at the next log step (deferred)
+
+
+def guard_policy(t: Trainer) -> GuardPolicy:
+    return GuardPolicy(judges=guarded(t), defers=deferred(t))
+
+
+def judge_and_step(t: Trainer, result: StepResult, guard: GuardPolicy) -> None:
     """After the last micro-batch's backward, with the optimizer ours (plain and GradCache steps): clip,
     let the guard judge the step (its loss and gradient norm on every rank), and step the optimizer unless
     the guard refused (on the host) or with a device flag that makes the fused kernel skip (deferred)."""
@@ -133,10 +145,10 @@ def judge_and_step(t: Trainer, result: StepResult) -> None:
     norm = None
     if cfg.optim.grad_clip:
         norm = t.accelerator.clip_grad_norm_(t.model.parameters(), cfg.optim.grad_clip)
-    if guarded(t):
+    if guard.judges:
         norm = grad_norm(t.model.parameters()) if norm is None else norm
         step_loss = torch.stack([p["loss"] for p in result.parts]).mean()
-        if deferred(t):
+        if guard.defers:
             result.verdict = device_verdict(step_loss, norm)  # no sync: read at the next log step
         else:
             result.check = t.callbacks.on_verdict(t, step_verdict(step_loss, norm))  # host sync
@@ -144,89 +156,96 @@ def judge_and_step(t: Trainer, result: StepResult) -> None:
         optimizer_step(t, None if result.verdict is None else ~result.verdict.finite)
 
 
-def local_backward_and_step(
-    t: Trainer,
-    mbs: list[Batch],
-    forward_backward: Callable[[Trainer, dict[str, torch.Tensor], Batch], tuple[dict, torch.Tensor]],
-) -> StepResult:
-    """The micro-batches' forward and backward (gradients accumulate; DDP all-reduces at the last), then
-    :func:`judge_and_step`. Each micro-batch enqueues its keys before the verdict is known: with several
-    micro-batches under the guard the queues are copied first and put back when the step is refused."""
-    acc = t.accelerator
-    snapshot = t.loss.snapshot() if guarded(t) and len(mbs) > 1 else []
-    result: StepResult | None = None
-    for mb in mbs:
-        inputs = mb.inputs(acc.device)
-        with acc.accumulate(t.model):
-            part, rows = forward_backward(t, inputs, mb)
-            parts = [*(result.parts if result else []), {k: v.detach() for k, v in part.items()}]
-            result = StepResult(parts, rows, mb)
-            if acc.sync_gradients:
-                judge_and_step(t, result)
-            t.optimizer.zero_grad(set_to_none=True)
-        if result.applied:
-            t.loss.after_micro_batch(rows, inputs, mb, result.apply)  # e.g. enqueue (collectives)
-    if not result.applied:
-        for queue, state in snapshot:
-            queue.load_state_dict(state)
-    return result
+class Engine:
+    """One optimizer step over a rank's micro-batches, ``engine(t, micro_batches, guard)``: the one
+    micro-batch loop every engine shares. Each micro-batch: :meth:`forward_backward` (rows = forward(batch);
+    out = loss(rows, batch); backward), then at the last :meth:`step`; when the step is applied (as far as
+    the host knows) the loss's terms update their state (``t.loss.after_micro_batch``: enqueue, a
+    collective). Each micro-batch enqueues before the verdict is known: with several micro-batches under
+    the guard the terms' queues are copied first and put back when the step is refused."""
+
+    def __call__(self, t: Trainer, mbs: list[Batch], guard: GuardPolicy | None = None) -> StepResult:
+        guard = guard_policy(t) if guard is None else guard
+        acc = t.accelerator
+        snapshot = t.loss.snapshot() if guard.judges and len(mbs) > 1 else []
+        result: StepResult | None = None
+        for mb in mbs:
+            inputs = mb.inputs(acc.device)
+            with acc.accumulate(t.model):
+                part, rows, check = self.forward_backward(t, inputs, mb, guard)
+                parts = [*(result.parts if result else []), {k: v.detach() for k, v in part.items()}]
+                result = StepResult(parts, rows, mb, check)
+                if acc.sync_gradients:
+                    self.step(t, result, guard)
+                self.zero_grad(t)
+            if result.applied:
+                t.loss.after_micro_batch(rows, inputs, mb, result.apply)  # e.g. enqueue (collectives)
+        if not result.applied:
+            for queue, state in snapshot:
+                queue.load_state_dict(state)
+        return result
+
+    def forward_backward(
+        self, t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch, guard: GuardPolicy
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, StepCheck | None]:
+        """One micro-batch: its loss parts, its rows (N, H), and the verdict where the backward steps too."""
+        encoded = forward(t, inputs, mb)
+        out = t.callbacks.on_loss(t, mb, t.loss(encoded, mb, t.module.head))  # the terms: LossOut
+        t.accelerator.backward(out.total)
+        return out.as_dict(), encoded[0] if isinstance(encoded, tuple) else encoded, None
+
+    def step(self, t: Trainer, result: StepResult, guard: GuardPolicy) -> None:
+        """After the last micro-batch's backward: clip, judge, step (:func:`judge_and_step`)."""
+        judge_and_step(t, result, guard)
+
+    def zero_grad(self, t: Trainer) -> None:
+        t.optimizer.zero_grad(set_to_none=True)  # Accelerate's: a no-op while accumulating
 
 
-def plain_forward_backward(
-    t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """rows = forward(batch); out = loss(rows, batch) (the hooks see it); backward."""
-    encoded = forward(t, inputs, mb)
-    out = t.callbacks.on_loss(t, mb, t.loss(encoded, mb, t.module.head))  # the terms: LossOut
-    t.accelerator.backward(out.total)
-    return out.as_dict(), encoded[0] if isinstance(encoded, tuple) else encoded  # rows (N, H)
+class GradCacheEngine(Engine):
+    """GradCache (``train.gradcache_chunk_size``; one micro-batch: the config refuses accumulation): the
+    same loss over rows encoded chunk by chunk (pipeline/train/gradcache.py)."""
+
+    def forward_backward(
+        self, t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch, guard: GuardPolicy
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, StepCheck | None]:
+        part, rows = chunked_forward_backward(
+            t.model, t.accelerator.backward, inputs, t.cfg.train.gradcache_chunk_size,
+            lambda rows: compute_objective(t, rows, mb),
+        )  # fmt: skip
+        return part, rows, None
 
 
-def gradcache_forward_backward(
-    t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """The same loss over rows encoded chunk by chunk (pipeline/train/gradcache.py)."""
-    return chunked_forward_backward(
-        t.model, t.accelerator.backward, inputs, t.cfg.train.gradcache_chunk_size,
-        lambda rows: compute_objective(t, rows, mb),
-    )  # fmt: skip
-
-
-def plain_backward_and_step(t: Trainer, mbs: list[Batch]) -> StepResult:
-    """One process or DDP: forward and backward per micro-batch, then clip, judge and step."""
-    return local_backward_and_step(t, mbs, plain_forward_backward)
-
-
-def gradcache_backward_and_step(t: Trainer, mbs: list[Batch]) -> StepResult:
-    """GradCache (``train.gradcache_chunk_size``; one micro-batch: the config refuses accumulation)."""
-    return local_backward_and_step(t, mbs, gradcache_forward_backward)
-
-
-def deepspeed_backward_and_step(t: Trainer, mbs: list[Batch]) -> StepResult:
+class DeepSpeedEngine(Engine):
     """The DeepSpeed engine steps inside ``accelerator.backward`` (clipping, accumulation and its own
     overflow check are its own; Accelerate's optimizer step and zero_grad are no-ops around it). Under
     the guard (one micro-batch) :func:`judged_engine_step` gives the verdict."""
-    acc = t.accelerator
-    result: StepResult | None = None
-    for mb in mbs:
-        inputs = mb.inputs(acc.device)
-        with acc.accumulate(t.model):
-            encoded = forward(t, inputs, mb)
-            part = t.callbacks.on_loss(t, mb, t.loss(encoded, mb, t.module.head)).as_dict()  # the terms
-            check = None
-            if guarded(t):
-                check = judged_engine_step(t, part["loss"])
-            else:
-                acc.backward(part["loss"])  # the engine's backward, and its step at the last micro-batch
-            rows = encoded[0] if isinstance(encoded, tuple) else encoded  # (N, H): n views, m negatives
-            parts = [*(result.parts if result else []), {k: v.detach() for k, v in part.items()}]
-            result = StepResult(parts, rows, mb, check)
-        if result.applied:
-            t.loss.after_micro_batch(rows, inputs, mb)
-    return result
+
+    def forward_backward(
+        self, t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch, guard: GuardPolicy
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, StepCheck | None]:
+        encoded = forward(t, inputs, mb)
+        out = t.callbacks.on_loss(t, mb, t.loss(encoded, mb, t.module.head))  # the terms: LossOut
+        check = None
+        if guard.judges:
+            check = judged_engine_step(t, out.total)
+        else:
+            t.accelerator.backward(out.total)  # the engine's backward, and its step at the last micro-batch
+        return out.as_dict(), encoded[0] if isinstance(encoded, tuple) else encoded, check
+
+    def step(self, t: Trainer, result: StepResult, guard: GuardPolicy) -> None:
+        """Nothing: the engine stepped inside its backward."""
+
+    def zero_grad(self, t: Trainer) -> None:
+        """Nothing: the engine zeroes its own gradients."""
 
 
-def backward_and_step(t: Trainer) -> Callable[[Trainer, list[Batch]], StepResult]:
+plain_backward_and_step = Engine()  # one process or DDP
+gradcache_backward_and_step = GradCacheEngine()
+deepspeed_backward_and_step = DeepSpeedEngine()
+
+
+def backward_and_step(t: Trainer) -> Engine:
     """The run's engine: DeepSpeed, GradCache or plain (one process or DDP)."""
     if t.accelerator.distributed_type.value == "DEEPSPEED":
         return deepspeed_backward_and_step

@@ -27,7 +27,13 @@ from pipeline.train.accounting import APPLIED, ROLLED_BACK, account, start_guard
 from pipeline.train.build import Trainer
 from pipeline.train.callbacks import Callbacks, as_callbacks
 from pipeline.train.checkpointing import RunCheckpoints, finish
-from pipeline.train.engines import StepResult, backward_and_step, compute_objective, micro_batches
+from pipeline.train.engines import (
+    StepResult,
+    backward_and_step,
+    compute_objective,
+    guard_policy,
+    micro_batches,
+)
 from pipeline.train.evaluation import evaluate
 from pipeline.train.guard import DeviceCheck
 from pipeline.train.metrics import Throughput, alignment_uniformity
@@ -48,7 +54,8 @@ def train_step(t: Trainer, batch: Batch) -> dict[str, Any]:
     Deferred, ``out["verdict"]`` is the verdict still on the device (:func:`deferred`).
     """
     t.schedule.apply(t.state.step)  # before backward: DeepSpeed steps inside accelerator.backward
-    result = backward_and_step(t)(t, micro_batches(batch, t.cfg.train.grad_accum_steps))
+    engine = t.engine or backward_and_step(t)  # chosen once by train(); a bare call chooses here
+    result = engine(t, micro_batches(batch, t.cfg.train.grad_accum_steps), t.guard)
     if result.applied:
         t.loss.after_step(t.module.encoder, result.apply)  # e.g. the momentum encoder follows
         t.state.step += 1  # deferred: provisional, a skip found at the next log step is taken back
@@ -112,6 +119,7 @@ def train(t: Trainer, callbacks: Callbacks | Callable[[Trainer, Any], None] | No
     """
     cfg, acc = t.cfg, t.accelerator
     t.callbacks = as_callbacks(callbacks)
+    t.engine, t.guard = backward_and_step(t), guard_policy(t)  # the engine and the guard's part, once
     t.model.train()
     show = acc.is_main_process and cfg.train.progress
     bar = progress.bar(total=t.total_steps, initial=t.state.step, desc="train", disable=not show)
