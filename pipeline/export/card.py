@@ -415,19 +415,16 @@ CITATIONS = {
 }
 # the project's methods, always cited; then what the run used
 ALWAYS_CITED = ("luse", "simcse", "cosent", "sbert")
-TERM_CITATIONS = {"distill": "distill", "matryoshka": "matryoshka", "sup_simcse": "simcse",
-                  "cosent": "cosent", "luse": "luse", "luse_bce": "luse"}  # fmt: skip
 
 
 def citation_keys(origin: Any, terms: list[str], config: dict[str, Any], whitened: bool) -> list[str]:
     keys = list(ALWAYS_CITED)
     if origin.base_model and "e5" in origin.base_model.lower():
         keys.insert(0, "e5")
-    keys += [TERM_CITATIONS[t] for t in terms if t in TERM_CITATIONS]
+    loss = trained_loss(config) if config else {}
+    keys += loss.get("cite", [])  # what each term cites of itself (luse with a queue or momentum: MoCo too)
     if _get(config, "data.num_variants"):
         keys.append("eda")
-    loss = trained_loss(config) if config else {}
-    keys += loss.get("cite", [])  # the terms' own (luse with a queue or momentum: MoCo)
     if whitened:
         keys.append("whitening")
     return list(dict.fromkeys(keys))

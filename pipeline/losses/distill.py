@@ -173,6 +173,7 @@ DISTILL = Term(
     projects=lambda c: True,
     prefix_loss=lambda c, short, out, tau: _on_prefix(KLConfig(tau, tau), short, out),
     prefix_reads=frozenset({VIEWS, TEACHER, QUEUE}),
+    describe=lambda fields: {"cite": ["distill"]},  # the model card cites its paper
 )
 
 

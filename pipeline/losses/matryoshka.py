@@ -193,5 +193,5 @@ TERM = Term(
     bind=bind,
     check_width=check_width,
     prefix_refusal="it is the matryoshka term",
-    describe=lambda fields: {"prefix_dims": fields.get("dims") or DEFAULT_DIMS},  # the card's widths
+    describe=lambda fields: {"prefix_dims": fields.get("dims") or DEFAULT_DIMS, "cite": ["matryoshka"]},
 )

@@ -353,11 +353,11 @@ class LuseTerm(TermModule):
 
 
 def _describe(fields: dict[str, Any]) -> dict[str, Any]:
-    """What the model card says of a luse term (its saved fields): its queue and momentum rows, and
-    MoCo among the citations when it kept a queue or a momentum encoder."""
+    """What the model card says of a luse term (its saved fields): its queue and momentum rows, its paper
+    among the citations, and MoCo when it kept a queue or a momentum encoder."""
     queue, momentum = fields.get("queue_size"), fields.get("momentum")
     rows = [("negative queue size", queue), ("momentum encoder", momentum)]
-    cite = ["moco"] if queue or momentum else []
+    cite = ["luse", "moco"] if queue or momentum else ["luse"]
     return {"rows": rows, "cite": cite, "queue_size": queue, "momentum": momentum}
 
 
