@@ -1,9 +1,15 @@
 """The training loop: :func:`train` (steps, logging, evaluation, checkpoints) and :func:`train_step`.
 
+A step: the run's engine (pipeline/train/engines.py, chosen once) runs each micro-batch as ``rows =
+forward(batch)``, ``out = t.loss(rows, batch)`` (the terms, pipeline/losses/terms.py), backward, and the
+optimizer step; then the terms update their state (queues, momentum encoder). What the guard makes of the
+step is pipeline/train/accounting.py's, checkpoints pipeline/train/checkpointing.py's, hooks
+pipeline/train/callbacks.py's.
+
 No host sync on a step that does not log, evaluate or save: losses stay on the device and are read
 back at log steps. The non-finite guard's verdict (two numbers: is the step finite on every rank, and
 its loss) stays on the device too when the optimizer can skip its own step on a device flag (fused
-AdamW, ``optim.fused``) and is read at the next log step (:func:`deferred`, :func:`settle`); with a
+AdamW, ``optim.fused``) and is read at the next log step (``engines.deferred``, ``accounting.settle``); with a
 foreach AdamW, under DeepSpeed or with several micro-batches it is read at every step (one sync;
 ``guard.max_nonfinite_steps: 0`` removes it). ``tests/test_host_syncs.py`` counts them.
 
@@ -44,14 +50,13 @@ __all__ = ["compute_objective", "train", "train_step"]  # compute_objective: fro
 log = logging.getLogger(__name__)
 
 
-
 def train_step(t: Trainer, batch: Batch) -> dict[str, Any]:
     """One optimizer step over this rank's slice of a global batch; returns detached device tensors.
 
     Under the guard, ``out["check"]`` is the step's :class:`~pipeline.train.guard.StepCheck`; when it
     is not finite nothing was updated (parameters, optimizer, schedule position, momentum encoder,
     queue, step and sample counters): the loop counts the skip and moves on to the next batch.
-    Deferred, ``out["verdict"]`` is the verdict still on the device (:func:`deferred`).
+    Deferred, ``out["verdict"]`` is the verdict still on the device (``engines.deferred``).
     """
     t.schedule.apply(t.state.step)  # before backward: DeepSpeed steps inside accelerator.backward
     engine = t.engine or backward_and_step(t)  # chosen once by train(); a bare call chooses here
