@@ -160,3 +160,22 @@ def test_a_checkpoint_from_when_the_trainer_held_the_queue_resumes_into_the_term
         assert torch.equal(ours, saved)
     assert not hasattr(resumed, "queue") and not hasattr(resumed, "momentum_encoder")
     resumed.close()
+
+
+def test_each_term_holds_its_own_state_in_its_state_dict():
+    """The loss is built once as modules: luse owns its queue and momentum encoder, kl its teacher queue,
+    in their own state_dicts; the checkpoint names are the ones the terms declare."""
+    import torch
+
+    from pipeline.losses import build_loss
+    from pipeline.losses.terms import TermContext, TrainLoss
+
+    plan = build_loss([{"luse": {"queue_size": 8, "momentum": 0.9}}, {"kl": {}, "weight": 0.5}])
+    encoder = torch.nn.Linear(4, 4)
+    loss = TrainLoss(plan, TermContext(encoder, 4, 6, plan.needs))
+    luse, kl = loss.terms["luse"], loss.terms["kl"]
+    assert {"queue.keys", "queue.ids", "momentum_encoder.encoder.weight"} <= set(luse.state_dict())
+    assert set(kl.state_dict()) >= {"teacher_queue.keys"} and kl.teacher_queue.keys.shape == (8, 6)
+    assert loss.states() == {"queue": luse.queue, "momentum_encoder": luse.momentum_encoder,
+                             "teacher_queue": kl.teacher_queue}  # fmt: skip
+    assert loss.parts == {"contrastive", "kl"} and loss.report() == {"queue_fill": 0.0}
