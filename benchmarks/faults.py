@@ -524,33 +524,31 @@ def training_kills(work: Path, runs: int, kills: int, rng: random.Random) -> Non
 # {"argv": [...], "poison": [...], "skip": [...], "spike": [...]}. It prints the positions trained on.
 DRIVER = textwrap.dedent(
     """
-    import json, math, sys
+    import dataclasses, json, math, sys
 
     spec = json.loads(sys.argv[1])
     sys.path.insert(0, spec["launch"])
     from pretrain import main
-    from pipeline.train import guard, loop
+    from pipeline.train import guard
+    from pipeline.train.callbacks import Callbacks
 
     poison, skip, seen, hooked = {tuple(p) for p in spec["poison"]}, {tuple(p) for p in spec["skip"]}, [], []
     spiked = {tuple(p) for p in spec.get("spike", [])}
-    objective = loop.compute_objective
 
-    def compute_objective(t, rows, batch):  # the loss (and its gradient, before clipping) x10 there
-        parts = objective(t, rows, batch)
-        return {**parts, "loss": parts["loss"] * 10} if seen[-1] in spiked else parts
+    class Faults(Callbacks):
+        def on_batch(self, t, batch):
+            if not hooked:
+                hooked.append(t.module.encoder.backbone.embeddings.register_forward_hook(
+                    lambda _m, _i, out: out * math.nan if seen[-1] in poison else None))
+            seen.append((batch["epoch"], batch["batch"]))
 
-    loop.compute_objective = compute_objective
+        def on_loss(self, t, batch, out):  # the loss (and its gradient, before clipping) x10 there
+            return dataclasses.replace(out, total=out.total * 10) if seen[-1] in spiked else out
 
-    def on_batch(t, batch):
-        if not hooked:
-            hooked.append(t.module.encoder.backbone.embeddings.register_forward_hook(
-                lambda _m, _i, out: out * math.nan if seen[-1] in poison else None))
-        seen.append((batch["epoch"], batch["batch"]))
+        def on_verdict(self, t, check):
+            return guard.StepCheck(False, 0.0) if seen[-1] in skip else check
 
-    real = loop.step_verdict
-    loop.step_verdict = lambda loss, norm: (
-        guard.StepCheck(False, 0.0) if seen[-1] in skip else real(loss, norm))
-    code = main(spec["argv"], on_batch)
+    code = main(spec["argv"], Faults())
     print("trained on:", json.dumps(seen))
     sys.exit(code)
     """

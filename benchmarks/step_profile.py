@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from pipeline.cli import build_config
-from pipeline.train import loop
+from pipeline.data.collate import Batch
+from pipeline.train import engines, loop
 from pipeline.train.build import Trainer, build
 from pipeline.train.config import Config
 
@@ -46,9 +47,9 @@ def timed_step(t: Trainer, batch: dict[str, Any], times: dict[str, list[float]])
     t.schedule.apply(t.state.step)
     inputs = {k: batch[k].to(acc.device) for k in ("input_ids", "attention_mask")}
     with acc.accumulate(t.model):
-        encoded = loop.forward(t, inputs, batch)  # bf16: autocasts itself (build.autocast_bf16_on_cpu)
+        encoded = engines.forward(t, inputs, batch)  # bf16: autocasts itself (build.autocast_bf16_on_cpu)
         lap("forward")
-        part = loop.compute_objective(t, encoded, batch)
+        part = engines.compute_objective(t, encoded, batch)
         rows = encoded[0] if isinstance(encoded, tuple) else encoded
         lap("loss")
         acc.backward(part["loss"])
@@ -59,10 +60,9 @@ def timed_step(t: Trainer, batch: dict[str, Any], times: dict[str, list[float]])
         t.optimizer.step()
         t.optimizer.zero_grad(set_to_none=True)
         lap("optimizer")
-    loop.enqueue_keys(t, rows, inputs, batch)
+    t.loss.after_micro_batch(rows, inputs, Batch.of(batch))  # the terms' queues
     lap("queue keys")
-    if t.momentum_encoder is not None:
-        t.momentum_encoder.update(t.module.encoder, t.loss.needs.momentum)
+    t.loss.after_step(t.module.encoder)  # the momentum encoder
     lap("momentum update")
     t.state.step += 1
 

@@ -6,17 +6,17 @@ Parse the config, build, train, close. Everything else lives in ``pipeline.train
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from pipeline.cli import build_config, setup_logging
 from pipeline.config import help_lines
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, write_error_line
 from pipeline.train.config import Config
 from pipeline.train.run import run
 
 
-def main(argv: list[str], on_batch: Callable[[Any, dict[str, Any]], None] | None = None) -> int:
+def main(argv: list[str], on_batch: Any = None) -> int:
+    """``on_batch``: a function ``on_batch(trainer, batch)``, or pipeline.train.callbacks.Callbacks."""
     if "-h" in argv or "--help" in argv:
         print("usage: accelerate launch launch/pretrain.py --config CONFIG.yaml [--key=value ...]\n")
         print("options (the same as `python -m pipeline train`):")
@@ -26,7 +26,7 @@ def main(argv: list[str], on_batch: Callable[[Any, dict[str, Any]], None] | None
     try:
         return run(build_config(Config, argv), on_batch)
     except PipelineError as exc:  # a user mistake: one line, no traceback
-        print(f"error: {exc}", file=sys.stderr)
+        write_error_line(exc)  # one whole line per rank
         return exc.exit_code
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.config import field_type, help_lines, load_config, parse_value
-from pipeline.errors import ConfigError, PipelineError
+from pipeline.errors import ConfigError, PipelineError, write_error_line
 from pipeline.io import disk_full_error, is_disk_full
 
 
@@ -202,13 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = build_config(module.Config, rest, command.positional)
         return int(module.run(cfg) or 0)
     except PipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        write_error_line(exc)  # one whole line per rank
         return exc.exit_code
     except OSError as exc:  # a full disk under a write that does not go through pipeline.io.atomic_write
         if not is_disk_full(exc):
             raise
         error = disk_full_error(exc, getattr(cfg, "out", None))
-        print(f"error: {error}", file=sys.stderr)
+        write_error_line(error)
         return error.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -140,6 +140,41 @@ def test_checkpoint_save_on_a_full_disk_keeps_the_previous_checkpoint(small_disk
     assert torch.equal(loaded.t, state.t) and torch.equal(loaded_model.backbone.weight, model.backbone.weight)
 
 
+def test_the_disk_full_message_gives_the_previous_checkpoints_true_size(tmp_path, monkeypatch):
+    """Saved without a size estimate (benchmarks/faults.py's odd runs), the message said the previous
+    checkpoint "takes 0 KiB": it read the estimate. It measures the files now."""
+    from pipeline.io import format_size
+    from pipeline.train.checkpoint import checkpoint_bytes
+
+    ckpt = Checkpointer(tmp_path / "run")
+    first = ckpt.save(1, Model(30_000), {"s": State(30_000)}, {}, {"step": 1})
+    size = checkpoint_bytes(first)
+    monkeypatch.setattr(Checkpointer, "newest_size", lambda self: 0)
+    message = ckpt._disk_full_message("step-00000002", "No space left on device", 4096)
+    assert f"{first.name} takes {format_size(size)}" in message and size > 200_000
+    assert "more than 4 KiB needed" in message
+
+
+def test_an_error_line_is_written_whole(monkeypatch):
+    """Two ranks' error lines ran together ("...intacterror: not enough disk space..."): ``print`` wrote
+    the text and its newline separately. The line and its newline go out in one write."""
+    import io
+
+    from pipeline.errors import write_error_line
+
+    class Stream(io.StringIO):
+        writes: list[str] = []
+
+        def write(self, text):
+            self.writes.append(text)
+            return super().write(text)
+
+    stream = Stream()
+    monkeypatch.setattr("sys.stderr", stream)
+    write_error_line(DiskFullError("disk full in /x; the previous checkpoints are intact"))
+    assert stream.writes == ["error: disk full in /x; the previous checkpoints are intact\n"]
+
+
 @pytest.mark.parametrize("when", ["before the write", "while writing"])
 def test_training_stops_with_one_line_and_resumes_exactly_once_space_is_freed(
     tmp_path, tiny_shards, mount_tmpfs, capsys, monkeypatch, when

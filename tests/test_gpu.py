@@ -65,7 +65,8 @@ def test_a_bf16_training_step_with_nccl(tmp_path, shards, one_rank_nccl):
         seen["backend"] = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         seen["device"] = str(t.accelerator.device)
         seen["precision"] = t.cfg.train.mixed_precision
-        seen["momentum_autocast"] = t.momentum_encoder.autocast if t.momentum_encoder is not None else None
+        momentum = t.loss.states().get("momentum_encoder")  # the luse term's own
+        seen["momentum_autocast"] = momentum.autocast if momentum is not None else None
 
     from accelerate.state import AcceleratorState
 

@@ -16,7 +16,7 @@ from _train_data import debug_config, debug_luse
 from test_nonfinite import Poison
 
 from pipeline.data.stream import BatchStream
-from pipeline.train import loop
+from pipeline.train.callbacks import Callbacks, OnBatch
 
 LOG_EVERY = 4
 STEPS = 8
@@ -48,6 +48,24 @@ def train(cfg, on_batch=None):
     AcceleratorState._reset_state(True)
     code = run(cfg, on_batch)
     return code, json.loads((cfg.run_dir / "debug" / "rank0.json").read_text()) if code == 0 else None
+
+
+class PerStep(Callbacks):
+    """The guard's verdict read at every step, never deferred."""
+
+    defer_verdicts = False
+
+
+class Verdicts(OnBatch):
+    """``on_batch`` as given; each verdict the guard reads noted in ``order``."""
+
+    def __init__(self, on_batch, order):
+        super().__init__(on_batch)
+        self.order = order
+
+    def on_verdict(self, t, check):
+        self.order.append("verdict")
+        return check
 
 
 class SyncCounter:
@@ -108,8 +126,7 @@ def test_the_deferred_verdict_changes_nothing_in_a_clean_run(tmp_path, shards, m
     """Read at log steps or at every step, a run without a non-finite step ends bit-identical."""
     code, deferred = train(cfg_for(tmp_path, shards, "deferred"))
     assert code == 0
-    monkeypatch.setattr(loop, "deferred", lambda t: False)
-    code, per_step = train(cfg_for(tmp_path, shards, "per_step"))
+    code, per_step = train(cfg_for(tmp_path, shards, "per_step"), PerStep())
     assert code == 0
     for key in ("param_checksum", "queue_checksum", "cursor", "step", "samples_seen"):
         assert deferred[key] == per_step[key], key
@@ -151,10 +168,7 @@ def test_under_deepspeed_bf16_nothing_waits_between_forward_and_backward(tmp_pat
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     order = []
-    verdict, backward = loop.step_verdict, Accelerator.backward
-    monkeypatch.setattr(
-        loop, "step_verdict", lambda loss, norm: order.append("verdict") or verdict(loss, norm)
-    )
+    backward = Accelerator.backward
     monkeypatch.setattr(
         Accelerator,
         "backward",
@@ -167,7 +181,7 @@ def test_under_deepspeed_bf16_nothing_waits_between_forward_and_backward(tmp_pat
         "train.log_every": 1,
         "optim.fused": False,
     }
-    code, dump = train(cfg_for(tmp_path, shards, "ds", **overrides), Poison([(0, 3)]))
+    code, dump = train(cfg_for(tmp_path, shards, "ds", **overrides), Verdicts(Poison([(0, 3)]), order))
     assert code == 0 and dump["step"] == 5
     assert order == ["backward", "verdict"] * 6  # 5 applied steps and the skipped one
     records = [json.loads(line) for line in (tmp_path / "ds" / "metrics.jsonl").read_text().splitlines()]

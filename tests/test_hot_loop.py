@@ -42,7 +42,7 @@ def test_mixed_precision_bf16_really_autocasts_on_cpu(tmp_path, shards, precisio
     t, batch, out = one_step(tmp_path, shards, **{"train.mixed_precision": precision})
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
     assert linear_output_dtypes(t.module, lambda: t.model(**inputs)) == {expected}
-    momentum = t.momentum_encoder
+    momentum = t.loss.states()["momentum_encoder"]  # the luse term's own
     assert linear_output_dtypes(momentum, lambda: momentum.encode(**inputs)) == {expected}
     assert t.model(**inputs).dtype == torch.float32  # the loss and the queue see fp32 rows
     assert torch.isfinite(out["loss"]) and all(p.dtype == torch.float32 for p in t.module.parameters())

@@ -124,3 +124,58 @@ def test_luse_bce_trains_end_to_end(tmp_path, tiny_shards):
     steps = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in steps if "loss" in r]
     assert len(losses) == 10 and all(math.isfinite(v) for v in losses)
+
+
+def test_a_checkpoint_from_when_the_trainer_held_the_queue_resumes_into_the_term(tmp_path, tiny_shards):
+    """Up to 80883ac the Trainer held the negative queue and the momentum encoder and checkpointed them as
+    ``queue`` and ``momentum_encoder``; the luse term holds them now and restores them from those names
+    (state.pt's layout is unchanged). The old layout is built by hand: the two as standalone objects."""
+    import torch
+    from _train_data import debug_config, debug_luse
+
+    from pipeline.train.build import build
+    from pipeline.train.queue import MomentumEncoder, NegativeQueue
+
+    shards = tiny_shards([[32], [32]], num_variants=2)
+    cfg = lambda: debug_config(tmp_path, shards, loss=debug_luse(queue_size=32, momentum=0.9))  # noqa: E731
+    t = build(cfg())
+    g = torch.Generator().manual_seed(0)
+    queue = NegativeQueue(32, t.encoder.dim)  # 80883ac's Trainer.queue, 16 keys enqueued
+    queue.enqueue(torch.nn.functional.normalize(torch.randn(16, t.encoder.dim, generator=g), dim=-1),
+                  torch.arange(16), torch.arange(16) + 100)  # fmt: skip
+    momentum = MomentumEncoder(t.encoder)  # its Trainer.momentum_encoder, moved away from the online copy
+    with torch.no_grad():
+        for p in momentum.parameters():
+            p.add_(torch.randn(p.shape, generator=g))
+    old = {k: v for k, v in t.states().items() if k not in ("queue", "momentum_encoder")}
+    old.update(queue=queue, momentum_encoder=momentum)
+    t.checkpointer.save(1, t.encoder, old, t.rank_states(), t.run_config, samples_seen=16)
+    t.close()
+
+    resumed = build(cfg())
+    luse = resumed.loss.terms["luse"]
+    assert torch.equal(luse.queue.keys, queue.keys) and luse.queue.fill == 16
+    assert torch.equal(luse.queue.ids, queue.ids) and torch.equal(luse.queue.text_hashes, queue.text_hashes)
+    for ours, saved in zip(luse.momentum_encoder.state_dict().values(), momentum.state_dict().values()):
+        assert torch.equal(ours, saved)
+    assert not hasattr(resumed, "queue") and not hasattr(resumed, "momentum_encoder")
+    resumed.close()
+
+
+def test_each_term_holds_its_own_state_in_its_state_dict():
+    """The loss is built once as modules: luse owns its queue and momentum encoder, kl its teacher queue,
+    in their own state_dicts; the checkpoint names are the ones the terms declare."""
+    import torch
+
+    from pipeline.losses import build_loss
+    from pipeline.losses.terms import TermContext, TrainLoss
+
+    plan = build_loss([{"luse": {"queue_size": 8, "momentum": 0.9}}, {"kl": {}, "weight": 0.5}])
+    encoder = torch.nn.Linear(4, 4)
+    loss = TrainLoss(plan, TermContext(encoder, 4, 6, plan.needs))
+    luse, kl = loss.terms["luse"], loss.terms["kl"]
+    assert {"queue.keys", "queue.ids", "momentum_encoder.encoder.weight"} <= set(luse.state_dict())
+    assert set(kl.state_dict()) >= {"teacher_queue.keys"} and kl.teacher_queue.keys.shape == (8, 6)
+    assert loss.states() == {"queue": luse.queue, "momentum_encoder": luse.momentum_encoder,
+                             "teacher_queue": kl.teacher_queue}  # fmt: skip
+    assert loss.parts == {"contrastive", "kl"} and loss.report() == {"queue_fill": 0.0}

@@ -11,7 +11,8 @@ import pytest
 import torch
 from _train_data import debug_config, debug_luse
 
-from pipeline.train import guard, loop
+from pipeline.train import guard
+from pipeline.train.callbacks import OnBatch
 from pipeline.train.checkpoint import Checkpointer, verify_checkpoint
 
 
@@ -84,13 +85,14 @@ def test_a_nan_batch_is_skipped_exactly_like_a_forced_skip(tmp_path, shards, mon
     assert all(torch.isfinite(w).all() for w in weights.values())
 
     clean = Poison([])  # same batches, nothing poisoned; the verdict at (0, 3) says "skip"
-    real = guard.step_verdict
-    monkeypatch.setattr(
-        loop,
-        "step_verdict",
-        lambda loss, norm: guard.StepCheck(False, 0.0) if clean.seen[-1] == bad else real(loss, norm),
+
+    class ForcedSkip(OnBatch):
+        def on_verdict(self, t, check):
+            return guard.StepCheck(False, 0.0) if clean.seen[-1] == bad else check
+
+    code, ref = train(
+        cfg_for(tmp_path, shards, "forced", **{"train.mixed_precision": precision}), ForcedSkip(clean)
     )
-    code, ref = train(cfg_for(tmp_path, shards, "forced", **{"train.mixed_precision": precision}), clean)
     assert code == 0
     assert dump["param_checksum"] == ref["param_checksum"] and dump["queue_checksum"] == ref["queue_checksum"]
     assert dump["cursor"] == ref["cursor"] and dump["samples_seen"] == ref["samples_seen"] == 8 * 16

@@ -260,3 +260,20 @@ def test_queue_from_a_checkpoint_without_ids_marks_its_rows_unknown():
     restored.load_state_dict(old)
     assert restored.negative_ids().tolist() == [UNKNOWN, UNKNOWN] and restored.fill == 2
     torch.testing.assert_close(restored.negatives(), queue.negatives())
+
+
+def test_the_packed_enqueue_gather_keeps_every_bit():
+    """Keys, ids and text hashes travel in one packed all_gather (bytes): -0.0, subnormals and the extreme
+    int64 tags arrive as they left."""
+    keys = torch.tensor([[-0.0, 1e-40, float("inf")], [3.5, -2.0, 1 / 3]])
+    ids = torch.tensor([2**63 - 1, -(2**63)])
+    hashes = torch.tensor([-1, 7])
+    packed, plain = NegativeQueue(4, 3), NegativeQueue(4, 3)
+    packed.enqueue_gathered(keys, ids, hashes)
+    plain.enqueue(keys, ids, hashes)
+    for a, b in zip(packed.state_dict().values(), plain.state_dict().values()):
+        assert torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
+                           b.view(torch.uint8) if b.is_floating_point() else b)  # fmt: skip
+    only_keys = NegativeQueue(4, 3)
+    only_keys.enqueue_gathered(keys)
+    assert torch.equal(only_keys.keys.view(torch.uint8), plain.keys.view(torch.uint8))

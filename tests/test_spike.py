@@ -3,13 +3,14 @@ to the spike and guard.spike_skip_batches more skipped, the decision recorded; a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 from _train_data import debug_config
 
-from pipeline.train import loop
+from pipeline.train.callbacks import Callbacks
 from pipeline.train.checkpoint import Checkpointer
 from pipeline.train.guard import SpikeDetector
 
@@ -22,20 +23,24 @@ def shards(tiny_shards):
     return tiny_shards([[40, 24], [32]], num_variants=3)
 
 
+class Spiky(Callbacks):
+    """The loss x10 on the SPIKED batches (their gradients too, before clipping): a spike that comes with
+    the data, so skipping the data avoids it. Records the positions trained on in ``seen``."""
+
+    def __init__(self, seen):
+        self.seen = seen
+
+    def on_batch(self, t, batch):
+        self.seen.append(batch["epoch"] * PER_EPOCH + batch["batch"])
+
+    def on_loss(self, t, batch, out):
+        return dataclasses.replace(out, total=out.total * 10) if self.seen[-1] in SPIKED else out
+
+
 @pytest.fixture
-def spiky(monkeypatch):
-    """The objective's loss x10 on the SPIKED batches (their gradients too, before clipping): a spike
-    that comes with the data, so skipping the data avoids it. Returns the positions trained on."""
-    seen, real = [], loop.compute_objective
-
-    def compute_objective(t, rows, batch):
-        parts = real(t, rows, batch)
-        if seen[-1] in SPIKED:
-            parts = {**parts, "loss": parts["loss"] * 10}
-        return parts
-
-    monkeypatch.setattr(loop, "compute_objective", compute_objective)
-    return seen
+def spiky():
+    """The positions trained on (:class:`Spiky` records them)."""
+    return []
 
 
 def run_spiky(tmp_path, shards, seen, name, steps=16, **overrides):
@@ -50,7 +55,7 @@ def run_spiky(tmp_path, shards, seen, name, steps=16, **overrides):
     }  # fmt: skip
     cfg = debug_config(tmp_path, shards, **{**base, **overrides})
     AcceleratorState._reset_state(True)
-    assert run(cfg, lambda t, batch: seen.append(batch["epoch"] * PER_EPOCH + batch["batch"])) == 0
+    assert run(cfg, Spiky(seen)) == 0
     records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     dump = json.loads((cfg.run_dir / "debug" / "rank0.json").read_text())
     return [r for r in records if r.get("event") == "spike_rollback"], dump

@@ -88,17 +88,20 @@ def test_final_model_best_is_the_best_checkpoint(tmp_path, shards):
 
 
 def test_keep_best_exports_the_initial_weights_when_no_step_beats_them(tmp_path, shards, monkeypatch, caplog):
-    import pipeline.train.loop as loop
+    from pipeline.train.callbacks import Callbacks
     from pipeline.train.checkpoint import Checkpointer
     from pipeline.train.run import run
 
-    real = loop.evaluate
-    # the real evaluation (logged), but every trained step is made to score below the init
-    monkeypatch.setattr(loop, "evaluate", lambda t: real(t) if t.state.step == 0 else -100.0 + t.state.step)
+    class BelowTheInit(Callbacks):
+        """the real evaluation (logged), but every trained step is made to score below the init"""
+
+        def on_evaluate(self, t, score):
+            return score if t.state.step == 0 else -100.0 + t.state.step
+
     overrides = {"train.max_steps": 4, "train.eval_every": 2, "train.final_model": "best"}
     cfg = debug_cfg(tmp_path, shards, **overrides)
-    with caplog.at_level("WARNING", logger="pipeline.train.loop"):
-        assert run(cfg) == 0
+    with caplog.at_level("WARNING", logger="pipeline.train.checkpointing"):
+        assert run(cfg, BelowTheInit()) == 0
     assert "no step beat the initial model" in caplog.text
     checkpoints = Checkpointer(cfg.run_dir)
     assert checkpoints.best().name == "step-00000000"
@@ -140,8 +143,9 @@ def test_distillation_hard_negatives_and_teacher_queue_in_train_step(tmp_path, s
     assert all(math.isfinite(float(v)) for k, v in out.items() if k.endswith("loss"))
     assert out["embeddings"].shape[:2] == (n, b // 2)  # the last micro-batch's views only
     # the teacher queue holds the teacher rows of the enqueued originals, in the same order as the keys
-    torch.testing.assert_close(t.teacher_queue.negatives(), batch["teacher"].to(t.teacher_queue.keys.dtype))
-    assert t.queue.fill == t.teacher_queue.fill == b
+    queue, teacher_queue = t.loss.states()["queue"], t.loss.states()["teacher_queue"]  # the terms' own
+    torch.testing.assert_close(teacher_queue.negatives(), batch["teacher"].to(teacher_queue.keys.dtype))
+    assert queue.fill == teacher_queue.fill == b
     t.close()
 
 

@@ -12,7 +12,6 @@ import yaml
 
 from pipeline.errors import ConfigError, InputError
 from pipeline.losses import trained_loss
-from pipeline.losses.matryoshka import DEFAULT_DIMS
 from pipeline.run_layout import MODEL_DIR, step_of
 
 log = logging.getLogger(__name__)
@@ -137,10 +136,9 @@ def matryoshka_dims(config: dict[str, Any], explicit: list[int], width: int, whi
                 f"--matryoshka-dims {wide}: the model's embeddings are {width}-d; keep them <= {width}"
             )
         return explicit
-    entry = next((e for e in config.get("loss") or [] if isinstance(e, dict) and "matryoshka" in e), None)
-    if entry is None or whitened:
+    trained = trained_loss(config)["prefix_dims"] if config.get("loss") else None
+    if trained is None or whitened:
         return []
-    trained = (entry["matryoshka"] or {}).get("dims") or DEFAULT_DIMS
     return sorted({width, *(d for d in trained if d <= width)}, reverse=True)
 
 
@@ -218,8 +216,7 @@ def recipe_rows(config: dict[str, Any], checkpoint_info: dict[str, Any]) -> list
         ("temperature", loss["temperature"]),
         ("augmented views per sentence (k)", _get(config, "data.num_variants")),
         ("dropout views (d)", _get(config, "data.num_dropout_views")),
-        ("negative queue size", loss["queue_size"]),
-        ("momentum encoder", loss["momentum"]),
+        *loss["rows"],  # what the terms say of themselves (luse: its queue size and momentum)
         ("global batch size", _get(config, "train.global_batch_size")),
         ("peak learning rate", _get(config, "optim.lr")),
         ("weight decay", _get(config, "optim.weight_decay")),
@@ -418,20 +415,16 @@ CITATIONS = {
 }
 # the project's methods, always cited; then what the run used
 ALWAYS_CITED = ("luse", "simcse", "cosent", "sbert")
-TERM_CITATIONS = {"distill": "distill", "matryoshka": "matryoshka", "sup_simcse": "simcse",
-                  "cosent": "cosent", "luse": "luse", "luse_bce": "luse"}  # fmt: skip
 
 
 def citation_keys(origin: Any, terms: list[str], config: dict[str, Any], whitened: bool) -> list[str]:
     keys = list(ALWAYS_CITED)
     if origin.base_model and "e5" in origin.base_model.lower():
         keys.insert(0, "e5")
-    keys += [TERM_CITATIONS[t] for t in terms if t in TERM_CITATIONS]
+    loss = trained_loss(config) if config else {}
+    keys += loss.get("cite", [])  # what each term cites of itself (luse with a queue or momentum: MoCo too)
     if _get(config, "data.num_variants"):
         keys.append("eda")
-    loss = trained_loss(config) if config else {}
-    if loss.get("queue_size") or loss.get("momentum"):
-        keys.append("moco")
     if whitened:
         keys.append("whitening")
     return list(dict.fromkeys(keys))

@@ -87,8 +87,11 @@ def trained_loss(config: dict[str, Any]) -> dict[str, Any]:
     """What a run's saved config (``config.yaml``) trained, for its model card.
 
     ``loss``: the terms as one line (``distill (loss: cosine)``, ``luse (...) + 0.1 x mlm (...)``);
-    ``terms``: their names; ``objective``, ``temperature``, ``queue_size``, ``momentum``: the main term's
-    (None without one). A config of an earlier version (an ``objective:`` section) is read as training
+    ``terms``: their names; ``objective``, ``temperature``: the main term's (None without one); ``rows``,
+    ``cite`` and ``prefix_dims``: what the terms say of themselves (:attr:`Term.describe`): card rows
+    (a queue's size, a momentum), citation keys, the widths a matryoshka term trained (None: none);
+    ``queue_size``, ``momentum``: a term's negative queue and momentum (None without one).
+    A config of an earlier version (an ``objective:`` section) is read as training
     read it (:mod:`pipeline.losses.legacy`).
     """
     config, legacy = split_objective(config)
@@ -102,13 +105,19 @@ def trained_loss(config: dict[str, Any]) -> dict[str, Any]:
         weight = float(e.get("weight", 1.0))
         parts.append(("" if weight == 1.0 else f"{weight:g} x ") + name + (f" ({fields})" if fields else ""))
     main = next(((n, e[n] or {}) for n, e in terms if n in TERMS and TERMS[n].data is not None), (None, {}))
+    said = [TERMS[n].describe(e[n] or {}) for n, e in terms if n in TERMS]
+    dims = [d["prefix_dims"] for d in said if d.get("prefix_dims")]
+    facts = {k: v for d in said for k, v in d.items() if k in ("queue_size", "momentum")}
     return {
         "loss": " + ".join(parts),
         "terms": [n for n, _ in terms],
         "objective": main[0],
         "temperature": main[1].get("temperature"),
-        "queue_size": main[1].get("queue_size"),
-        "momentum": main[1].get("momentum"),
+        "rows": [row for d in said for row in d.get("rows", [])],
+        "cite": [key for d in said for key in d.get("cite", [])],
+        "prefix_dims": dims[0] if dims else None,
+        "queue_size": facts.get("queue_size"),  # a term's negative queue (None: none)
+        "momentum": facts.get("momentum"),  # its momentum encoder's momentum
     }
 
 

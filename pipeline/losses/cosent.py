@@ -70,4 +70,5 @@ TERM = Term(
     data="pairs",
     num_views=lambda k, d: 2,
     label_dtype=torch.float32,
+    describe=lambda fields: {"cite": ["cosent"]},  # the model card cites its paper
 )

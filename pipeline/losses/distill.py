@@ -37,7 +37,7 @@ DDP's averaged gradient is the single-process one (``tests/test_distributed_gloo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,17 @@ from pipeline.config import option
 from pipeline.distributed import all_gather_no_grad, all_gather_with_grad, rank
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.terms import QUEUE, TEACHER, VIEWS, Needs, StepOutput, Term
+from pipeline.losses.terms import (
+    QUEUE,
+    TEACHER,
+    VIEWS,
+    Needs,
+    StepOutput,
+    Term,
+    TermContext,
+    TermModule,
+    WeightedTerm,
+)
 
 DISTILL_LOSSES = ("cosine", "mse")
 
@@ -139,6 +149,20 @@ def _student(out: StepOutput, student: torch.Tensor) -> torch.Tensor:
     return student
 
 
+def _on_prefix(kl: KLConfig, short: StepOutput, out: StepOutput) -> torch.Tensor:
+    """A teacher term on a matryoshka prefix: in-batch similarity distillation (the kl formula) of the
+    student's prefix to the full-width teacher (pipeline/losses/matryoshka.py says why)."""
+    return kl_loss(
+        short.views[0],  # (B, dim) the originals' prefixes
+        out.teacher,  # (B, D_t) the full teacher
+        kl.student_temperature,
+        kl.teacher_temperature,
+        queue=short.queue if out.teacher_queue is not None else None,  # a kl term's queue pair only
+        teacher_queue=out.teacher_queue,
+        gather=out.gather,
+    )
+
+
 DISTILL = Term(
     name="distill",
     summary="embedding distillation to the shards' teacher embeddings (cosine or mse)",
@@ -147,6 +171,9 @@ DISTILL = Term(
     reads=lambda c: frozenset({VIEWS, TEACHER}),
     part="distill",
     projects=lambda c: True,
+    prefix_loss=lambda c, short, out, tau: _on_prefix(KLConfig(tau, tau), short, out),
+    prefix_reads=frozenset({VIEWS, TEACHER, QUEUE}),
+    describe=lambda fields: {"cite": ["distill"]},  # the model card cites its paper
 )
 
 
@@ -158,6 +185,34 @@ class KLConfig:
     def __post_init__(self) -> None:
         if self.teacher_temperature <= 0 or self.student_temperature <= 0:
             raise ConfigError("kl.teacher_temperature and kl.student_temperature must be > 0 (try 0.05)")
+
+
+class KLTerm(TermModule):
+    """The kl term in training, with its state when the run has a negative queue: the teacher embeddings
+    of the queued sentences, row for row with the queue's keys (enqueued with them, gathered from all
+    ranks). A checkpoint holds it as ``teacher_queue``."""
+
+    def __init__(self, weighted: WeightedTerm, context: TermContext):
+        from pipeline.train.queue import NegativeQueue
+
+        super().__init__(weighted, context)
+        size = context.needs.queue_size  # the run's negative queue (luse's), mirrored row for row
+        self.teacher_queue = NegativeQueue(size, context.teacher_dim or context.dim) if size else None
+
+    def lend(self, out: StepOutput) -> None:
+        if self.teacher_queue is not None:
+            out.teacher_queue = self.teacher_queue.negatives()  # (filled, D_t)
+
+    def after_micro_batch(self, rows: torch.Tensor, inputs: dict[str, torch.Tensor], batch: Any,
+                          apply: torch.Tensor | None) -> None:  # fmt: skip
+        if self.teacher_queue is not None:  # (B, D_t) -> (W * B, D_t) in the queue (a collective)
+            self.teacher_queue.enqueue_gathered(batch.teacher.to(rows.device), apply=apply)
+
+    def states(self) -> dict[str, torch.nn.Module]:
+        return {"teacher_queue": self.teacher_queue} if self.teacher_queue is not None else {}
+
+    def per_micro_batch(self) -> list[torch.nn.Module]:
+        return [self.teacher_queue] if self.teacher_queue is not None else []
 
 
 KL = Term(
@@ -176,4 +231,7 @@ KL = Term(
     reads=lambda c: frozenset({VIEWS, TEACHER, QUEUE}),
     part="kl",
     needs=lambda c: Needs(teacher_queue=True),  # the queued sentences' teacher rows, with a queue
+    module=KLTerm,
+    prefix_loss=lambda c, short, out, tau: _on_prefix(c, short, out),
+    prefix_reads=frozenset({VIEWS, TEACHER, QUEUE}),
 )

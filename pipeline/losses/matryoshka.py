@@ -51,20 +51,9 @@ import torch.nn.functional as F
 from pipeline.config import option
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.distill import DistillConfig, KLConfig, kl_loss
-from pipeline.losses.terms import QUEUE, TEACHER, VIEWS, StepOutput, Term, WeightedTerm
+from pipeline.losses.terms import VIEWS, StepOutput, Term, WeightedTerm
 
 DEFAULT_DIMS = [256, 128, 64]  # prefix widths trained besides the full one (e5-small: 384)
-# The teacher terms (distill, kl), known by their configs: taken on a prefix as in-batch similarity
-# distillation.
-TEACHER_CONFIGS = (DistillConfig, KLConfig)
-REFUSED = {
-    "mlm": "it has no embedding",
-    "sbert": "its classifier reads [u, v, |u - v|] of the full width",
-    "matryoshka": "it is the matryoshka term",
-}
-
-
 def prefix(x: torch.Tensor | None, dim: int) -> torch.Tensor | None:
     """The first ``dim`` dimensions of (..., H) embeddings, re-normalised: (..., dim)."""
     if x is None:
@@ -86,17 +75,8 @@ def truncate(out: StepOutput, dim: int) -> StepOutput:
 def prefix_term_loss(t: WeightedTerm, out: StepOutput, dim: int, temperature: float) -> torch.Tensor:
     """Term ``t`` on the ``dim``-prefix of the step output (unweighted)."""
     short = truncate(out, dim)
-    if isinstance(t.config, TEACHER_CONFIGS):
-        kl = t.config if isinstance(t.config, KLConfig) else KLConfig(temperature, temperature)
-        return kl_loss(
-            short.views[0],  # (B, dim) the originals' prefixes
-            out.teacher,  # (B, D_t) the full teacher
-            kl.student_temperature,
-            kl.teacher_temperature,
-            queue=short.queue if out.teacher_queue is not None else None,  # a kl term's queue pair only
-            teacher_queue=out.teacher_queue,
-            gather=out.gather,
-        )
+    if t.term.prefix_loss is not None:  # a term with a formula of its own there (distill, kl)
+        return t.term.prefix_loss(t.config, short, out, temperature)
     return t.term.loss(t.config, short)
 
 
@@ -171,12 +151,13 @@ def bind(c: MatryoshkaConfig, run: list[WeightedTerm]) -> Term:
             raise ConfigError(
                 f"matryoshka.of names {', '.join(missing)}, not a term of this run ({', '.join(names)})"
             )
-        refused = [f"{n} ({REFUSED[n]})" for n in c.of if n in REFUSED]
+        refused = [f"{t.term.name} ({t.term.prefix_refusal})" for t in run
+                   if t.term.name in c.of and t.term.prefix_refusal]  # fmt: skip
         if refused:
             raise ConfigError(f"matryoshka.of: cannot take {', '.join(refused)} on a prefix")
         inner = [t for t in run if t.term.name in c.of]
     else:
-        inner = [t for t in run if t.term.name not in REFUSED]
+        inner = [t for t in run if t.term.prefix_refusal is None]
         if not inner:
             raise ConfigError(f"matryoshka: no term of this run ({', '.join(names)}) compares embeddings")
     for t in inner:
@@ -195,9 +176,7 @@ def bind(c: MatryoshkaConfig, run: list[WeightedTerm]) -> Term:
 
 
 def _reads_on_prefix(t: WeightedTerm) -> frozenset[str]:
-    if isinstance(t.config, TEACHER_CONFIGS):
-        return frozenset({VIEWS, TEACHER, QUEUE})
-    return t.term.reads(t.config)
+    return t.term.prefix_reads if t.term.prefix_reads is not None else t.term.reads(t.config)
 
 
 def _unbound(c: MatryoshkaConfig, out: StepOutput) -> torch.Tensor:
@@ -213,4 +192,6 @@ TERM = Term(
     part="matryoshka",
     bind=bind,
     check_width=check_width,
+    prefix_refusal="it is the matryoshka term",
+    describe=lambda fields: {"prefix_dims": fields.get("dims") or DEFAULT_DIMS, "cite": ["matryoshka"]},
 )

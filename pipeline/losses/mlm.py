@@ -126,4 +126,5 @@ TERM = Term(
     reads=lambda c: frozenset({MLM_LOGITS}),
     part="mlm",
     needs=lambda c: Needs(mlm_probability=c.probability),  # an MLM head; masks drawn in the loader
+    prefix_refusal="it has no embedding",
 )

@@ -65,7 +65,18 @@ from pipeline.losses.false_negatives import (
     pair_guide,
     sentence_mask,
 )
-from pipeline.losses.terms import HARD_NEGATIVES, QUEUE, TEACHER, VIEWS, Needs, StepOutput, Term
+from pipeline.losses.terms import (
+    HARD_NEGATIVES,
+    QUEUE,
+    TEACHER,
+    VIEWS,
+    Needs,
+    StepOutput,
+    Term,
+    TermContext,
+    TermModule,
+    WeightedTerm,
+)
 
 
 def compute_loss(
@@ -274,6 +285,82 @@ def _pair_views(c: LuseConfig, num_dropout_views: int) -> int:
     return 2 + num_dropout_views
 
 
+class LuseTerm(TermModule):
+    """The luse term in training, with its state: the negative queue (``queue_size``) of earlier steps'
+    keys, their sentence ids and text hashes, and the momentum (EMA) encoder that makes the keys
+    (``momentum`` > 0; with 0 the keys are the detached online view 0). Both live here, so they are in
+    this term's ``state_dict``; a checkpoint holds them as ``queue`` and ``momentum_encoder``, the names
+    checkpoints have always used, so a checkpoint of an earlier version resumes as it is."""
+
+    def __init__(self, weighted: WeightedTerm, context: TermContext):
+        from pipeline.train.queue import MomentumEncoder, NegativeQueue, needs_forward
+
+        super().__init__(weighted, context)
+        c: LuseConfig = self.config
+        self.queue = NegativeQueue(c.queue_size, context.dim) if c.queue_size else None
+        keyed = self.queue is not None and needs_forward(c.momentum)
+        self.momentum_encoder = MomentumEncoder(context.encoder) if keyed else None
+
+    def lend(self, out: StepOutput) -> None:
+        if self.queue is None:
+            return
+        out.queue = self.queue.negatives()  # (filled, H): read by luse and kl
+        out.queue_ids = self.queue.negative_ids()  # (filled,)
+        out.queue_text_hashes = self.queue.negative_text_hashes()  # (filled,)
+
+    def after_micro_batch(self, rows: torch.Tensor, inputs: dict[str, torch.Tensor], batch: Any,
+                          apply: torch.Tensor | None) -> None:  # fmt: skip
+        """Keys of this micro-batch's originals into the queue with their sentence ids and text hashes
+        (gathered from all ranks: a collective)."""
+        if self.queue is None:
+            return
+        b = rows.shape[0] // batch.rows_per_sentence
+        if self.momentum_encoder is not None:
+            keys = self.momentum_encoder.encode(
+                input_ids=inputs["input_ids"][:b], attention_mask=inputs["attention_mask"][:b]
+            )
+        else:
+            keys = rows[:b].detach()  # momentum 0: a memory bank of the online view-0 embeddings
+        # (B, H) per rank -> (W * B, H) on every rank, with each key's sentence id and text hash (B,)
+        ids = batch.ids if batch.groups is None else batch.groups  # pair shards: the rules compare groups
+        self.queue.enqueue_gathered(keys, ids, batch.text_hashes, apply)
+
+    def after_step(self, online: torch.nn.Module, apply: torch.Tensor | None) -> None:
+        if self.momentum_encoder is not None:
+            self.momentum_encoder.update(online, self.config.momentum, apply)
+
+    def states(self) -> dict[str, torch.nn.Module]:
+        out = {"queue": self.queue} if self.queue is not None else {}
+        if self.momentum_encoder is not None:
+            out["momentum_encoder"] = self.momentum_encoder
+        return out
+
+    def per_micro_batch(self) -> list[torch.nn.Module]:
+        return [self.queue] if self.queue is not None else []
+
+    def copies(self) -> list[torch.nn.Module]:
+        return [self.momentum_encoder] if self.momentum_encoder is not None else []
+
+    def report(self) -> dict[str, Any]:
+        return {"queue_fill": self.queue.fill_fraction} if self.queue is not None else {}
+
+    def dump(self) -> dict[str, Any]:
+        from pipeline.train.metrics import checksum
+
+        if self.queue is None:
+            return {}
+        return {"queue_checksum": checksum([self.queue.keys]), "queue_fill": self.queue.fill}
+
+
+def _describe(fields: dict[str, Any]) -> dict[str, Any]:
+    """What the model card says of a luse term (its saved fields): its queue and momentum rows, its paper
+    among the citations, and MoCo when it kept a queue or a momentum encoder."""
+    queue, momentum = fields.get("queue_size"), fields.get("momentum")
+    rows = [("negative queue size", queue), ("momentum encoder", momentum)]
+    cite = ["luse", "moco"] if queue or momentum else ["luse"]
+    return {"rows": rows, "cite": cite, "queue_size": queue, "momentum": momentum}
+
+
 TERM = Term(
     name="luse",
     summary="multi-positive listwise over original + EDA variants + dropout views, queue (shards)",
@@ -292,4 +379,6 @@ TERM = Term(
         text_hashes=c.false_negatives.same_text,  # hashing costs the loader and a gather per step
         teacher_positive=c.teacher_positive,
     ),
+    module=LuseTerm,
+    describe=_describe,
 )

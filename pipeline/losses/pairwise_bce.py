@@ -124,4 +124,5 @@ TERM = Term(
     data="shards",
     num_views=lambda k, d: 1 + k + d,  # original, EDA variants, dropout views (as luse)
     uses_variants=True,
+    describe=lambda fields: {"cite": ["luse"]},  # the model card cites its paper
 )

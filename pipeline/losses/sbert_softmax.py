@@ -60,4 +60,5 @@ TERM = Term(
     num_views=lambda k, d: 2,
     label_dtype=torch.long,
     make_head=lambda c, dim: SoftmaxHead(dim, c.num_labels),
+    prefix_refusal="its classifier reads [u, v, |u - v|] of the full width",
 )

@@ -70,4 +70,5 @@ TERM = Term(
     part="contrastive",
     data="triples",
     num_views=lambda k, d: 3,
+    describe=lambda fields: {"cite": ["simcse"]},  # the model card cites its paper
 )

@@ -10,12 +10,13 @@ A run's loss is ``sum_i weight_i * term_i(step output)``, written in the trainin
 
 Each term lives beside its formula (one file per loss) as a :class:`Term`: its small config dataclass,
 what it reads from the step's :class:`StepOutput` (views, pairs, labels, teacher, hard negatives, queue,
-MLM logits), what state and batch columns it needs (:class:`Needs`: a negative queue and its momentum
-encoder, a teacher queue, an MLM head and masked originals, text hashes) and its loss. The model step
-produces one :class:`StepOutput`; :class:`Loss` evaluates every term on it and sums. The trainer never
-asks for a term by name: it builds what :attr:`Loss.needs` (the terms' needs, merged) declares, and
-the loop and GradCache call only :meth:`Loss.__call__`. ``TERMS`` (pipeline/losses/__init__.py) is the
-registry, the one list of term names.
+MLM logits), what batch columns and heads it needs (:class:`Needs`: an MLM head and masked originals,
+text hashes; a queue's size for the data checks) and its loss. In training the loss is built once per run
+and kept: :class:`TrainLoss`, a ``ModuleDict`` of :class:`TermModule` (a term with state subclasses it in
+its own file: luse holds its negative queue and momentum encoder, kl its teacher queue). The trainer calls
+only :class:`TrainLoss`'s methods (the loss, ``after_micro_batch``, ``after_step``, ``states``) and never
+asks for a term by name. ``TERMS`` (pipeline/losses/__init__.py) is the registry, the one list of term
+names.
 
 At most one term is a *main* term: it decides the data and the views of a batch (luse: original +
 cached EDA variants + dropout views from the shards; simcse: two dropout views; sup_simcse, cosent,
@@ -128,6 +129,18 @@ class Term:
     bind: Callable[[Any, list[WeightedTerm]], Term] | None = None
     check_width: Callable[[Any, int], None] | None = None  # (its config, the encoder's width): ConfigError
     needs: Callable[[Any], Needs] = lambda config: Needs()  # its state and batch columns (Needs)
+    # The module class that evaluates it in training (:class:`TermModule`: a term with state of its own,
+    # a queue or a momentum encoder, subclasses it beside its formula); None: the stateless TermModule.
+    module: type | None = None
+    # On a re-normalised prefix of the embedding (the matryoshka term): why it cannot be taken there
+    # (None: it can), and its own formula there when that differs from ``loss`` on the shortened output:
+    # (its config, the shortened output, the full output, matryoshka's temperature) -> scalar.
+    prefix_refusal: str | None = None
+    prefix_loss: Callable[[Any, StepOutput, StepOutput, float], torch.Tensor] | None = None
+    prefix_reads: frozenset[str] | None = None  # what ``prefix_loss`` reads (None: ``reads``)
+    # What the model card says of the term, from its fields as config.yaml saved them: {"rows": [(what,
+    # value)], "cite": [citation keys], "prefix_dims": [widths it trained]}, each optional
+    describe: Callable[[dict[str, Any]], dict[str, Any]] = lambda fields: {}
 
 
 @dataclass(frozen=True)
@@ -190,8 +203,8 @@ class Loss:
             return projection_head(dim, teacher_dim)
         return None
 
-    def __call__(self, out: StepOutput) -> dict[str, torch.Tensor]:
-        """``loss`` (the weighted total) and each term's value under its ``part`` name."""
+    def check(self, out: StepOutput) -> None:
+        """An InputError when the batch lacks what a term reads, or holds what none reads."""
         if out.teacher is None and self.reads(TEACHER):
             raise InputError(
                 "loss: a term reads teacher embeddings but the batch has no teacher embeddings; add a "
@@ -200,9 +213,187 @@ class Loss:
             )
         if out.hard_negatives is not None and not self.reads(HARD_NEGATIVES):
             raise InputError("loss: hard negatives in the batch but no term reads them; use luse")
+
+    def __call__(self, out: StepOutput) -> dict[str, torch.Tensor]:
+        """``loss`` (the weighted total) and each term's value under its ``part`` name (stateless terms:
+        the queue, if any, is already in ``out``; training evaluates the built :class:`TrainLoss`)."""
+        self.check(out)
         parts = {t.term.part: t.term.loss(t.config, out) for t in self.terms}
         total: Any = sum(t.weight * parts[t.term.part] for t in self.terms)
         return {"loss": total, **parts, **out.counts}
+
+
+# ---------------------------------------------------------------------------------------- training
+@dataclass
+class LossOut:
+    """What the loss gives for one micro-batch: the weighted total, each term's value by its ``part``
+    name (contrastive, distill, kl, mlm, matryoshka), and the counts a term reports (not losses)."""
+
+    total: torch.Tensor  # () the weighted sum the backward starts from
+    parts: dict[str, torch.Tensor]  # () each term's unweighted value
+    counts: dict[str, torch.Tensor]  # () e.g. luse's false_negatives: candidates it masked
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        """``{"loss": total, **parts, **counts}``: the per-micro-batch record the step logs."""
+        return {"loss": self.total, **self.parts, **self.counts}
+
+
+@dataclass(frozen=True)
+class TermContext:
+    """What a term module may build its state from: the online encoder (a momentum copy), its width,
+    the teacher's width (the shards' manifest; 0: none) and the run's merged :class:`Needs`."""
+
+    encoder: nn.Module
+    dim: int
+    teacher_dim: int
+    needs: Needs
+
+
+class TermModule(nn.Module):
+    """One weighted term of the loss as a module, built once per run (:class:`TrainLoss`).
+
+    ``forward(out)`` is the term's formula on the step output; a term with state (luse's negative queue
+    and momentum encoder, kl's teacher queue) subclasses this beside its formula and keeps the state as
+    its own submodules, so it is in the term's ``state_dict``. The trainer knows the state only through
+    the methods below, never by name: :meth:`lend` (what the state adds to a step output),
+    :meth:`after_micro_batch` (enqueue), :meth:`after_step` (the momentum update), :meth:`states` (what a
+    checkpoint holds, under the names checkpoints have always used), :meth:`report` (logged values).
+    """
+
+    def __init__(self, weighted: WeightedTerm, context: TermContext):
+        super().__init__()
+        self.term, self.config, self.weight = weighted.term, weighted.config, weighted.weight
+
+    @property
+    def part(self) -> str:
+        return self.term.part
+
+    def reads(self) -> frozenset[str]:
+        return self.term.reads(self.config)
+
+    def lend(self, out: StepOutput) -> None:
+        """Put what this term's state gives every term into the step output (a queue's rows)."""
+
+    def forward(self, out: StepOutput) -> torch.Tensor:  # () the term's unweighted value
+        return self.term.loss(self.config, out)
+
+    def after_micro_batch(self, rows: torch.Tensor, inputs: dict[str, torch.Tensor], batch: Any,
+                          apply: torch.Tensor | None) -> None:  # fmt: skip
+        """After a micro-batch's backward, when its step is applied (as far as the host knows; ``apply``
+        the device verdict): e.g. enqueue its keys. ``rows`` (N, H) as the model gave them."""
+
+    def after_step(self, online: nn.Module, apply: torch.Tensor | None) -> None:
+        """After an applied optimizer step: e.g. the momentum encoder follows ``online``."""
+
+    def states(self) -> dict[str, nn.Module]:
+        """This term's checkpointed states by checkpoint name; the trainer saves and restores them."""
+        return {}
+
+    def per_micro_batch(self) -> list[nn.Module]:
+        """The states :meth:`after_micro_batch` changes (copied before a multi-micro-batch step and put
+        back when the guard refuses it)."""
+        return []
+
+    def copies(self) -> list[nn.Module]:
+        """Encoder copies this term runs (a momentum encoder), for the trainer's precision set-up."""
+        return []
+
+    def report(self) -> dict[str, Any]:
+        """Values the loop logs at log steps (host values only, e.g. a queue's fill fraction)."""
+        return {}
+
+    def dump(self) -> dict[str, Any]:
+        """Checksums of the state for the debug dump (train.debug_dump)."""
+        return {}
+
+
+def step_output(encoded: torch.Tensor | tuple[torch.Tensor, torch.Tensor], batch: Any,
+                head: nn.Module | None) -> StepOutput:  # fmt: skip
+    """The step output of one micro-batch: ``encoded`` is what the model's forward returned, the rows
+    (N, H), or (rows, MLM logits (B, L, V)) with an MLM head. Rows [0, n*B) are the n views, rows
+    [n*B, (n+m)*B) the m hard negatives of each sentence. ``batch`` a :class:`pipeline.data.collate.Batch`.
+    """
+    rows, mlm_logits = encoded if isinstance(encoded, tuple) else (encoded, None)
+    n, m = batch.num_views, batch.num_hard_negatives
+    b = rows.shape[0] // (n + m)
+    device = rows.device
+
+    def to(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(device, non_blocking=True)
+
+    return StepOutput(
+        views=rows[: n * b].view(n, b, rows.shape[-1]),  # (n, B, H)
+        hard_negatives=rows[n * b :].view(m, b, rows.shape[-1]) if m else None,  # (m, B, H)
+        labels=None if batch.labels is None else batch.labels.to(device),
+        teacher=to(batch.teacher),  # (B, D_t)
+        mlm_logits=mlm_logits,
+        mlm_labels=None if mlm_logits is None else to(batch.mlm_labels),  # (B, L)
+        head=head,
+        ids=to(batch.ids),  # (B,) int64: false-negative control
+        text_hashes=to(batch.text_hashes),
+        groups=to(batch.groups),  # pair shards
+        positive_text_hashes=to(batch.positive_text_hashes),
+        teacher_positive=to(batch.teacher_positive),
+    )
+
+
+class TrainLoss(nn.Module):
+    """The run's loss, built once and kept by the trainer: a ``ModuleDict`` of its weighted terms (each a
+    :class:`TermModule`, holding its own state). ``loss(encoded, batch, head)`` is the weighted sum over
+    one micro-batch (:class:`LossOut`); :meth:`after_micro_batch` and :meth:`after_step` let each term
+    update its state; :meth:`states` is what the checkpoint holds of them."""
+
+    def __init__(self, plan: Loss, context: TermContext):
+        super().__init__()
+        self.plan = plan  # the stateless description (data, views, needs) the config checks read
+        self.terms = nn.ModuleDict(
+            {t.term.name: (t.term.module or TermModule)(t, context) for t in plan.terms}
+        )
+
+    @property
+    def parts(self) -> set[str]:
+        return {t.part for t in self.terms.values()}
+
+    def forward(self, encoded: torch.Tensor | tuple[torch.Tensor, torch.Tensor], batch: Any,
+                head: nn.Module | None = None) -> LossOut:  # fmt: skip
+        out = step_output(encoded, batch, head)
+        for t in self.terms.values():
+            t.lend(out)
+        return self.evaluate(out)
+
+    def evaluate(self, out: StepOutput) -> LossOut:
+        """Every term on a step output, and their weighted sum."""
+        self.plan.check(out)
+        terms = list(self.terms.values())
+        parts = {t.part: t(out) for t in terms}
+        total: Any = sum(t.weight * parts[t.part] for t in terms)
+        return LossOut(total, parts, out.counts)
+
+    def after_micro_batch(self, rows: torch.Tensor, inputs: dict[str, torch.Tensor], batch: Any,
+                          apply: torch.Tensor | None = None) -> None:  # fmt: skip
+        for t in self.terms.values():
+            t.after_micro_batch(rows, inputs, batch, apply)
+
+    def after_step(self, online: nn.Module, apply: torch.Tensor | None = None) -> None:
+        for t in self.terms.values():
+            t.after_step(online, apply)
+
+    def states(self) -> dict[str, nn.Module]:
+        return {name: s for t in self.terms.values() for name, s in t.states().items()}
+
+    def snapshot(self) -> list[tuple[nn.Module, dict[str, torch.Tensor]]]:
+        """Copies of the per-micro-batch states, put back when a step of several micro-batches is refused."""
+        changing = [s for t in self.terms.values() for s in t.per_micro_batch()]
+        return [(s, {k: v.clone() for k, v in s.state_dict().items()}) for s in changing]
+
+    def copies(self) -> list[nn.Module]:
+        return [c for t in self.terms.values() for c in t.copies()]
+
+    def report(self) -> dict[str, Any]:
+        return {k: v for t in self.terms.values() for k, v in t.report().items()}
+
+    def dump(self) -> dict[str, Any]:
+        return {k: v for t in self.terms.values() for k, v in t.dump().items()}
 
 
 # ------------------------------------------------------------------------------------------- config

@@ -29,8 +29,8 @@ from pipeline.data.stream import BatchStream, MemorySource, ShardSource, index_s
 from pipeline.devices import bind_local_device, probe_cuda
 from pipeline.errors import ConfigError, InputError, PipelineError
 from pipeline.evaluate.sts import PairSet, read_pair_file
-from pipeline.losses import Loss, Needs
 from pipeline.losses.legacy import split_objective
+from pipeline.losses.terms import TermContext, TrainLoss
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
 from pipeline.model.compile import prepare_encoder
 from pipeline.model.encoder import load_tokenizer as load_model_tokenizer
@@ -39,6 +39,7 @@ from pipeline.model.layers import keep_layers, reinitialise, set_dropout
 from pipeline.model.vocab import SCRATCH_SMALL, read_model_config, unk_rate, write_vocab
 from pipeline.resources import EVAL_DIR
 from pipeline.shards import ShardSet, read_shard, read_shard_set, shard_paths
+from pipeline.train.callbacks import Callbacks
 from pipeline.train.checkpoint import Checkpointer, check_compatible
 from pipeline.train.config import Config, OptimConfig, resolve_saved_paths
 from pipeline.train.metrics import MetricsLogger
@@ -85,16 +86,16 @@ class Trainer:
     optimizer: Any
     schedule: LRSchedule
     stream: BatchStream
-    loss: Loss  # the weighted terms of cfg.loss
+    loss: TrainLoss  # the weighted terms of cfg.loss, built once; each holds its own state (a queue)
     state: TrainState
     metrics: MetricsLogger
     total_steps: int
-    queue: nn.Module | None = None
-    momentum_encoder: nn.Module | None = None
-    teacher_queue: nn.Module | None = None  # teacher embeddings of the queued sentences (the kl term)
     checkpointer: Checkpointer | None = None
     preemption: PreemptionHandler | None = None
     sts_valid: PairSet | None = None  # rank 0 only: the STS-B valid pairs scored by evaluate()
+    callbacks: Callbacks = field(default_factory=Callbacks)  # hooks into the run (train() sets them)
+    engine: Any = None  # the step's engine (pipeline/train/engines.py), chosen once by train()
+    guard: Any = None  # the guard's part in each step (engines.GuardPolicy), decided once by train()
 
     @property
     def encoder(self) -> SentenceEncoder:
@@ -111,12 +112,7 @@ class Trainer:
             out["head"] = self.module.head
         if self.module.mlm_head is not None:
             out["mlm_head"] = self.module.mlm_head
-        if self.queue is not None:
-            out["queue"] = self.queue
-        if self.momentum_encoder is not None:
-            out["momentum_encoder"] = self.momentum_encoder
-        if self.teacher_queue is not None:
-            out["teacher_queue"] = self.teacher_queue
+        out.update(self.loss.states())  # the terms' own (luse: queue, momentum_encoder; kl: teacher_queue)
         return out
 
     def rank_states(self) -> dict[str, Any]:
@@ -395,26 +391,6 @@ def build_stream(
     )  # fmt: skip
 
 
-def build_queue(needs: Needs, encoder: SentenceEncoder) -> tuple[nn.Module | None, nn.Module | None]:
-    """The negative queue and its momentum encoder, when a term declares one (``Loss.needs``)."""
-    from pipeline.train.queue import MomentumEncoder, NegativeQueue, needs_forward
-
-    if not needs.queue_size:
-        return None, None
-    queue = NegativeQueue(needs.queue_size, encoder.dim)
-    return queue, (MomentumEncoder(encoder) if needs_forward(needs.momentum) else None)
-
-
-def build_teacher_queue(needs: Needs, queue: nn.Module | None, teacher_dim: int | None) -> nn.Module | None:
-    """When a term declares one (kl) beside a queue: the teacher embeddings of the queued sentences,
-    ``teacher_dim`` wide (the data plan's, from the manifest)."""
-    from pipeline.train.queue import NegativeQueue
-
-    if queue is None or not needs.teacher_queue:
-        return None
-    return NegativeQueue(queue.size, teacher_dim or queue.dim)
-
-
 def build_checkpointer(cfg: Config, model: nn.Module) -> Checkpointer:
     """The seam to checkpointing (pipeline/train/checkpoint.py); ``model`` is what ``prepare`` returned."""
     engine = model if cfg.train.deepspeed_config else None  # ZeRO state: the engine's own checkpoint
@@ -497,18 +473,17 @@ def build(cfg: Config) -> Trainer:
         report_unk_rate(encoder, metrics)
     total = cfg.train.max_steps or cfg.train.epochs * stream.batches_per_epoch
     optimizer = build_optimizer(cfg.optim, module, setup.fused)
-    queue, momentum = build_queue(loss.needs, encoder)
-    teacher_queue = build_teacher_queue(loss.needs, queue, plan.teacher_dim)
-    for m in (queue, momentum, teacher_queue):
-        if m is not None:
-            m.to(accelerator.device)
+    # The loss, built once: each term with its own state (luse's queue and momentum encoder, kl's teacher
+    # queue), from the encoder as initialised and the teacher's width in the manifest.
+    terms = TrainLoss(loss, TermContext(encoder, encoder.dim, plan.teacher_dim or 0, loss.needs))
+    terms.to(accelerator.device)
     precision = setup.mixed_precision
     if precision == "bf16" and accelerator.device.type == "cpu":
-        for m in (module, momentum.encoder if momentum is not None else None):
-            if m is not None:
-                autocast_bf16_on_cpu(m)
-    if momentum is not None and accelerator.device.type == "cuda" and precision != "no":
-        momentum.autocast = torch.bfloat16 if precision == "bf16" else torch.float16
+        for m in (module, *(copy.encoder for copy in terms.copies())):
+            autocast_bf16_on_cpu(m)
+    if accelerator.device.type == "cuda" and precision != "no":
+        for copy in terms.copies():  # a momentum encoder: Accelerate autocasts the online model only
+            copy.autocast = torch.bfloat16 if precision == "bf16" else torch.float16
     log.info(
         "data: %d samples in %d blocks, %d global batches of %d per epoch, %d dropped per epoch; %d steps "
         "in all (planned in %.2f s)",
@@ -536,13 +511,10 @@ def build(cfg: Config) -> Trainer:
         optimizer=optimizer,
         schedule=schedule,
         stream=stream,
-        loss=loss,
+        loss=terms,
         state=TrainState(),
         metrics=metrics,
         total_steps=total,
-        queue=queue,
-        momentum_encoder=momentum,
-        teacher_queue=teacher_queue,
         checkpointer=build_checkpointer(cfg, model),
         preemption=PreemptionHandler().install(),
         sts_valid=sts_valid,

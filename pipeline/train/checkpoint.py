@@ -216,6 +216,11 @@ def _state_dicts(states: Mapping[str, Stateful]) -> dict[str, Any]:
     return {name: obj.state_dict() for name, obj in states.items()}
 
 
+def checkpoint_bytes(path: Path) -> int:
+    """Bytes of the files of checkpoint ``path``, as they are on the disk."""
+    return sum(f.stat().st_size for f in walk_files(path))
+
+
 def _read_pointer(path: Path) -> str | None:
     try:
         return path.read_text(encoding="utf-8").strip() or None
@@ -413,12 +418,15 @@ class Checkpointer:
     def newest_size(self) -> int:
         """Bytes of the newest complete checkpoint (0 if none): the expected size of the next one."""
         newest = self._find_latest(verify=False)
-        return sum(f.stat().st_size for f in walk_files(newest)) if newest else 0
+        return checkpoint_bytes(newest) if newest else 0
 
     def _disk_full_message(self, name: str, error: str, written: int) -> str:
+        # The sizes measured here, not the free-space check's estimate (newest_size), which a run may
+        # set aside (benchmarks/faults.py saves without one): the message says what is on the disk.
         newest = self._find_latest(verify=False)
-        previous = f"{newest.name} takes {format_size(self.newest_size())}" if newest else "none before"
-        needed = needed_phrase(self.newest_size(), written)
+        size = checkpoint_bytes(newest) if newest else 0
+        previous = f"{newest.name} takes {format_size(size)}" if newest else "none before"
+        needed = needed_phrase(self.newest_size(), written)  # the estimate; without one, "more than"
         return (
             f"disk full in {self.dir} while writing checkpoint {name} ({needed}: "
             f"{format_size(written)} were written, {previous}; {error}). The partial checkpoint was removed "

@@ -14,7 +14,7 @@ non-finite checkpoint is never written and never replaces a good one.
 Cost: with more than one process, one all-reduce of two numbers per step (the verdict and the loss),
 so that every rank takes the same branch. Where they are read: with fused AdamW, :func:`device_verdict`
 keeps them on the device, the optimizer skips a non-finite step on its ``found_inf`` flag, and the loop
-reads a window of verdicts at its next log step (``loop.deferred``/``loop.settle``: no host sync in
+reads a window of verdicts at its next log step (``engines.deferred``/``accounting.settle``: no host sync in
 between); otherwise :func:`step_verdict` reads them at every step, one device-to-host copy of two
 numbers (free on CPU; on a GPU it waits for the step's kernels before the optimizer runs, as a fp16
 GradScaler does). ``guard.max_nonfinite_steps: 0`` turns the guard (and its sync) off.

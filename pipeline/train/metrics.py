@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -140,3 +141,11 @@ class Throughput:
         rate = (samples_seen - self.samples0) / max(now - self.t0, 1e-9)
         self.t0, self.samples0 = now, samples_seen
         return rate
+
+
+def checksum(tensors: list[torch.Tensor]) -> str:
+    """sha256 of the tensors' float32 bytes (the debug dump's parameter and queue checksums)."""
+    h = hashlib.sha256()
+    for x in tensors:
+        h.update(x.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()

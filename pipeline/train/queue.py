@@ -202,12 +202,23 @@ class NegativeQueue(nn.Module):
         apply: torch.Tensor | None = None,
     ) -> None:
         """Gather ``local_keys`` (B, dim), and their ids and text hashes (B,) when given, from all ranks in
-        rank order, then enqueue (collectives: one per tensor given); ``apply`` as in :meth:`enqueue`."""
-
-        def gather(tags: torch.Tensor | None) -> torch.Tensor | None:
-            return None if tags is None else all_gather_no_grad(tags.to(local_keys.device))
-
-        self.enqueue(all_gather_no_grad(local_keys), gather(ids), gather(text_hashes), apply)
+        rank order, then enqueue; ``apply`` as in :meth:`enqueue`. One collective: the keys' bytes and
+        the int64 tags' bytes travel packed in one (B, bytes) uint8 tensor and are unpacked bit for bit."""
+        tags = [None if t is None else t.to(local_keys.device, torch.long) for t in (ids, text_hashes)]
+        parts = [local_keys.detach(), *(t for t in tags if t is not None)]
+        if len(parts) == 1:
+            self.enqueue(all_gather_no_grad(local_keys), None, None, apply)
+            return
+        rows = [p.contiguous().view(torch.uint8).reshape(p.shape[0], -1) for p in parts]  # (B, bytes_i)
+        gathered = all_gather_no_grad(torch.cat(rows, dim=1))  # (W * B, sum bytes_i): a collective
+        out, start = [], 0
+        for p, r in zip(parts, rows):
+            width = r.shape[1]
+            packed = gathered[:, start : start + width].contiguous()  # (W * B, bytes_i)
+            out.append(packed.view(p.dtype).reshape(-1, *p.shape[1:]))
+            start += width
+        keys, given = out[0], iter(out[1:])
+        self.enqueue(keys, *(None if t is None else next(given) for t in tags), apply)
 
     def extra_repr(self) -> str:
         return f"size={self.size}, dim={self.dim}"

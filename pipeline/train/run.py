@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from pipeline.train.config import Config
@@ -10,14 +9,15 @@ from pipeline.train.config import Config
 __all__ = ["Config", "run"]
 
 
-def run(cfg: Config, on_batch: Callable[[Any, dict[str, Any]], None] | None = None) -> int:
+def run(cfg: Config, callbacks: Any = None) -> int:
     """Train ``cfg``; returns the exit code (0, or EXIT_CODE_PREEMPTED after a preemption checkpoint).
 
     A collective that times out or loses its peer (another rank hung, stopped, died or was cut off)
     does not return: this rank prints one ``collective timeout:`` line and exits at once with
     EXIT_CODE_COLLECTIVE_TIMEOUT (pipeline/train/hangs.py).
 
-    ``on_batch(trainer, batch)`` sees each batch before its step (tests record the sample ids with it).
+    ``callbacks``: :class:`~pipeline.train.callbacks.Callbacks`, or a function ``on_batch(trainer, batch)``
+    that sees each batch before its step (tests record the sample ids with it).
     """
     from pipeline import distributed as dist
     from pipeline.train.build import build
@@ -27,7 +27,7 @@ def run(cfg: Config, on_batch: Callable[[Any, dict[str, Any]], None] | None = No
     trainer = None
     try:
         trainer = build(cfg)
-        return train(trainer, on_batch)
+        return train(trainer, callbacks)
     except RuntimeError as exc:
         if trainer is None:
             where = "at start-up"
