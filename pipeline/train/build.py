@@ -26,6 +26,7 @@ from pipeline.data.collate import MLMCollator, PairCollator, PairShardCollator, 
 from pipeline.data.pairs import read_records
 from pipeline.data.sources import pair_order
 from pipeline.data.stream import BatchStream, MemorySource, ShardSource, index_shards
+from pipeline.data.token_ids import tokenising_on_gpu
 from pipeline.devices import bind_local_device, probe_cuda
 from pipeline.errors import ConfigError, InputError, PipelineError
 from pipeline.evaluate.sts import PairSet, read_pair_file
@@ -355,6 +356,8 @@ def build_stream(
     workers = loader_workers(d.num_workers, device)
     if not isinstance(plan, DataPlan):
         plan = check_against_data(cfg, plan, world, tokenizer, prefix)
+    model = cfg.model.name_or_path
+    tokenising_on_gpu(device, plan.shard_set, plan.token_ids, plan.pairs, d.max_length, model)  # one line
     order: dict[str, Any] = {}  # pair shards: their batch order by source (pipeline/data/sources.py)
     if plan.pairs:  # pair shards: anchors then positives (docs/pairs.md)
         blocks = shard_blocks(plan.shard_set, d.verify_shards, rank)
