@@ -413,15 +413,33 @@ class SectionClock:
         return out
 
 
-def model_flops(trainer: Any, mask: Any) -> dict[str, float]:
+def batch_lengths(batch: Any) -> tuple[Any, int | None]:
+    """(each row's real token count (B,), the padded width) of a padded batch, or of an unpadded one
+    (``train.unpadded``: flat tokens and ``cu_seqlens``; width None: nothing is padded)."""
+    if batch.attention_mask is not None:
+        return batch.attention_mask.sum(dim=1), batch.attention_mask.shape[1]
+    return batch.cu_seqlens.diff(), None
+
+
+def model_flops(trainer: Any, lengths: tuple[Any, int | None]) -> dict[str, float]:
     """Training FLOPs of one step's encoder (forward + backward = 3 x forward): 6 x non-embedding
     parameters x tokens + 12 x layers x hidden x B x T^2 (the attention's two matmuls), on the padded
-    batch (what the GEMMs compute) and on the real tokens (what an unpadded step needs)."""
+    batch (what the GEMMs compute) and on the real tokens (what an unpadded step needs). An unpadded
+    batch (width None) computes its real tokens only: its "padded" figures are its real ones."""
     backbone = trainer.module.encoder.backbone
     config = backbone.config
     dense = sum(p.numel() for n, p in backbone.named_parameters() if "embeddings" not in n)
-    rows, length = mask.shape
-    real_lengths = mask.sum(dim=1).double()
+    real_lengths, width = lengths
+    real_lengths = real_lengths.double()
+    rows = int(real_lengths.numel())
+    if width is None:
+        real = 6.0 * dense * float(real_lengths.sum())
+        real += 12.0 * config.num_hidden_layers * config.hidden_size * float((real_lengths**2).sum())
+        return {
+            "padded": real, "real": real, "rows": rows, "length": float(real_lengths.sum()) / rows,
+            "real_tokens": float(real_lengths.sum()), "max_length": trainer.cfg.data.max_length,
+        }  # fmt: skip
+    length = width
     layers, hidden = config.num_hidden_layers, config.hidden_size
     padded = 6.0 * dense * rows * length + 12.0 * layers * hidden * rows * length**2
     real = 6.0 * dense * float(real_lengths.sum()) + 12.0 * layers * hidden * float((real_lengths**2).sum())
@@ -452,7 +470,7 @@ def step_measure(
     for _ in range(warmup):
         train_step(trainer, next(it))
     clock = SectionClock(trainer) if cuda else None
-    waits, host_steps, masks, epoch_starts = [], [], [], 0
+    waits, host_steps, lengths, epoch_starts = [], [], [], 0
     if cuda:
         torch.cuda.synchronize()
     began = time.perf_counter()
@@ -469,12 +487,12 @@ def step_measure(
         t2 = time.perf_counter()
         waits.append(t1 - t0)
         host_steps.append(t2 - t1)
-        masks.append(batch["attention_mask"])  # read after the timed steps
+        lengths.append(batch_lengths(batch))  # read after the timed steps
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - began
     it.close()
-    flops = [model_flops(trainer, mask) for mask in masks]
+    flops = [model_flops(trainer, each) for each in lengths]
     sequences = sum(f["rows"] for f in flops)
     padded_flops, real_flops = sum(f["padded"] for f in flops), sum(f["real"] for f in flops)
     real_tokens = sum(f["real_tokens"] for f in flops)

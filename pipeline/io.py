@@ -45,6 +45,7 @@ __all__ = [
     "read_json",
     "sha256_file",
     "temporary_name",
+    "tensor_checksum",
 ]
 
 
@@ -212,6 +213,15 @@ def atomic_write_parquet(path: str | Path, table: Any) -> None:
     import pyarrow.parquet as pq
 
     atomic_write(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+
+
+def tensor_checksum(tensors: Any) -> str:
+    """sha256 of torch tensors' float32 bytes, in order (the debug dump's parameter and queue checksums:
+    equal on two ranks or two runs only when every value is bit-equal)."""
+    h = hashlib.sha256()
+    for x in tensors:
+        h.update(x.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:

@@ -16,7 +16,7 @@ from _gloo import spawn_ranks
 from pipeline import distributed
 from pipeline.losses import cosent, distill, multi_positive, pairwise_bce, simcse, sup_simcse
 from pipeline.losses.false_negatives import Guide
-from pipeline.train.queue import NegativeQueue
+from pipeline.losses.queue import NegativeQueue
 
 pytestmark = pytest.mark.slow
 

@@ -133,8 +133,8 @@ def test_a_checkpoint_from_when_the_trainer_held_the_queue_resumes_into_the_term
     import torch
     from _train_data import debug_config, debug_luse
 
+    from pipeline.losses.queue import MomentumEncoder, NegativeQueue
     from pipeline.train.build import build
-    from pipeline.train.queue import MomentumEncoder, NegativeQueue
 
     shards = tiny_shards([[32], [32]], num_variants=2)
     cfg = lambda: debug_config(tmp_path, shards, loss=debug_luse(queue_size=32, momentum=0.9))  # noqa: E731

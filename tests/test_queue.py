@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pipeline.errors import ConfigError
-from pipeline.train.queue import UNKNOWN, MomentumEncoder, NegativeQueue, needs_forward, validate_queue_size
+from pipeline.losses.queue import UNKNOWN, MomentumEncoder, NegativeQueue, needs_forward, validate_queue_size
 
 
 def rows(start: int, count: int, dim: int = 3) -> torch.Tensor:

@@ -193,7 +193,7 @@ class KLTerm(TermModule):
     ranks). A checkpoint holds it as ``teacher_queue``."""
 
     def __init__(self, weighted: WeightedTerm, context: TermContext):
-        from pipeline.train.queue import NegativeQueue
+        from pipeline.losses.queue import NegativeQueue
 
         super().__init__(weighted, context)
         size = context.needs.queue_size  # the run's negative queue (luse's), mirrored row for row

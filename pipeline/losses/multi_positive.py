@@ -14,7 +14,7 @@ other views of other sentences, is a negative.
 Differences from LUSE's own code: LUSE keeps the self-similarity sim(a, a) = 1 in the softmax
 denominator, where it is always the largest logit (1/tau = 20 at tau=0.05) and only adds a constant
 pull towards the anchor itself; we drop it from numerator and denominator. LUSE's MoCo queue is an
-empty stub; here the queue (:mod:`pipeline.train.queue`) supplies real extra negatives.
+empty stub; here the queue (:mod:`pipeline.losses.queue`) supplies real extra negatives.
 
 Distillation and mining extras (docs/objectives.md): with ``teacher`` each anchor gains its sentence's
 teacher embedding as one more positive (target 1/n on each of the n positives) and the global batch's
@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from pipeline.config import option
 from pipeline.distributed import all_gather_no_grad, all_gather_with_grad, rank
 from pipeline.errors import ConfigError
+from pipeline.io import tensor_checksum
 from pipeline.losses._precision import at_least_float32
 from pipeline.losses.false_negatives import (
     FalseNegativeConfig,
@@ -293,7 +294,7 @@ class LuseTerm(TermModule):
     checkpoints have always used, so a checkpoint of an earlier version resumes as it is."""
 
     def __init__(self, weighted: WeightedTerm, context: TermContext):
-        from pipeline.train.queue import MomentumEncoder, NegativeQueue, needs_forward
+        from pipeline.losses.queue import MomentumEncoder, NegativeQueue, needs_forward
 
         super().__init__(weighted, context)
         c: LuseConfig = self.config
@@ -345,11 +346,9 @@ class LuseTerm(TermModule):
         return {"queue_fill": self.queue.fill_fraction} if self.queue is not None else {}
 
     def dump(self) -> dict[str, Any]:
-        from pipeline.train.metrics import checksum
-
         if self.queue is None:
             return {}
-        return {"queue_checksum": checksum([self.queue.keys]), "queue_fill": self.queue.fill}
+        return {"queue_checksum": tensor_checksum([self.queue.keys]), "queue_fill": self.queue.fill}
 
 
 def _describe(fields: dict[str, Any]) -> dict[str, Any]:

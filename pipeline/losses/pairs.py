@@ -25,7 +25,7 @@ Distributed semantics as luse and sup_simcse: each rank's value is the mean over
 with equal local batches the mean over ranks is the global-batch loss and DDP's averaged gradient is
 the single-process gradient over the concatenated batch (tests/test_pairs_train.py, gloo).
 
-No MoCo queue: the queue machinery (pipeline/train/queue.py) enqueues view 0 (the anchors), while
+No MoCo queue: the queue machinery (pipeline/losses/queue.py) enqueues view 0 (the anchors), while
 this loss's candidates are the partner side in each direction; queued negatives would need a queue
 of positives and one of anchors with their groups and hashes. In-batch and cross-device negatives
 only (global batches of thousands on GPUs, as BGE and e5 train).

@@ -10,9 +10,9 @@ import logging
 import shutil
 
 from pipeline import distributed as dist
+from pipeline.io import tensor_checksum
 from pipeline.train.build import Trainer
 from pipeline.train.checkpoint import save_model
-from pipeline.train.metrics import checksum
 from pipeline.train.signals import CheckpointPolicy
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def write_debug_dump(t: Trainer) -> None:
         "step": t.state.step,
         "samples_seen": t.state.samples_seen,
         "cursor": t.stream.state_dict(),
-        "param_checksum": checksum(params),
+        "param_checksum": tensor_checksum(params),
         "param_sum": float(sum(p.detach().double().sum() for p in params)),
         "queue_checksum": None,
         "queue_fill": None,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -142,10 +141,3 @@ class Throughput:
         self.t0, self.samples0 = now, samples_seen
         return rate
 
-
-def checksum(tensors: list[torch.Tensor]) -> str:
-    """sha256 of the tensors' float32 bytes (the debug dump's parameter and queue checksums)."""
-    h = hashlib.sha256()
-    for x in tensors:
-        h.update(x.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()

@@ -68,7 +68,7 @@ def check_against_data(
     that hold token ids are used only when their tokenizer hash equals theirs. They may be left out for
     shards without ids.
     """
-    from pipeline.train.queue import validate_queue_size
+    from pipeline.losses.queue import validate_queue_size
 
     loss, d = cfg.terms(), cfg.data
     per_rank, accum = cfg.train.global_batch_size, cfg.train.grad_accum_steps
