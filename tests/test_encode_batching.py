@@ -7,8 +7,8 @@ from test_eval_fixtures import build_tiny_encoder
 
 from pipeline.model import SentenceEncoder
 
-TEXTS = ["今天天气很好", "好", "股市大跌，投资者纷纷抛售手中的股票", "我饿了", "今天天气很好", "天气不错啊朋友们",
-         "人民日报社论", "花呗怎么还款", "额度不够怎么办呢？", "延期一天"]  # fmt: skip
+TEXTS = ["今天天气很好", "好", "股市大跌，投资者纷纷抛售手中的股票", "我饿了", "今天天气很好",
+         "天气不错啊朋友们", "人民日报社论", "花呗怎么还款", "额度不够怎么办呢？", "延期一天"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
