@@ -50,9 +50,12 @@ if [ ! -f "$OUT/student/encoder.json" ]; then
 fi
 
 stage "teacher embeddings (bf16 autocast on CPU)"
+# One worker process per core, one torch thread each (the stage gives each cpu_count/workers threads): the
+# shards are independent, and one thread per process does not wait on a busy second core at every op. The
+# vectors do not depend on the number of workers.
 if [ ! -f "$OUT/teacher/manifest.json" ]; then
   "$PY" -m pipeline teacher --shards "$OUT/augmented" --out "$OUT/teacher" --model "$MODEL" --bf16 \
-    --workers 1
+    --workers "$(nproc)"
 fi
 
 stage "distillation"
@@ -68,14 +71,19 @@ fi
 
 # The five STS sets (all pairs unless MAX_PAIRS is set), for the untrained student and the exported
 # (best STS-B valid) model, with the char TF-IDF floor on the same pairs. Results go beside the run.
-stage "evaluate the untrained student"
+# The untrained student and the teacher are evaluated side by side, one torch thread each (two processes
+# on two cores wait on each other less than two threads of one process do).
+stage "evaluate the untrained student and the teacher (its scores stand beside the student's in the model card)"
+EVALS=()
 if [ ! -f "$OUT/student_eval/eval.json" ]; then
-  "$PY" -m pipeline eval "$OUT/student" --suite "[sts]" "${PAIRS[@]}" --out "$OUT/student_eval"
+  "$PY" -m pipeline eval "$OUT/student" --suite "[sts]" "${PAIRS[@]}" --threads 1 --progress false \
+    --out "$OUT/student_eval" & EVALS+=($!)
 fi
-stage "evaluate the teacher (its scores stand beside the student's in the model card)"
 if [ ! -f "$MODEL/eval/eval.json" ]; then
-  "$PY" -m pipeline eval "$MODEL" --suite "[sts]" "${PAIRS[@]}" --out "$MODEL/eval"
+  "$PY" -m pipeline eval "$MODEL" --suite "[sts]" "${PAIRS[@]}" --threads 1 --progress false \
+    --out "$MODEL/eval" & EVALS+=($!)
 fi
+for pid in "${EVALS[@]}"; do wait "$pid"; done  # set -e: a failed evaluation stops the job here
 stage "evaluate the trained student"
 "$PY" -m pipeline eval "$OUT/train/model" --suite "[sts, tfidf]" "${PAIRS[@]}" --out "$OUT/train/eval"
 stage report
