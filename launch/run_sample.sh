@@ -52,10 +52,11 @@ fi
 stage "teacher embeddings (bf16 autocast on CPU)"
 # One worker process per core, one torch thread each (the stage gives each cpu_count/workers threads): the
 # shards are independent, and one thread per process does not wait on a busy second core at every op. The
-# vectors do not depend on the number of workers.
+# vectors do not depend on the number of workers. At most 4 (each holds a 1.4 GB copy of the model; 9 shards).
+TEACHER_WORKERS=$(( $(nproc) < 4 ? $(nproc) : 4 ))
 if [ ! -f "$OUT/teacher/manifest.json" ]; then
   "$PY" -m pipeline teacher --shards "$OUT/augmented" --out "$OUT/teacher" --model "$MODEL" --bf16 \
-    --workers "$(nproc)"
+    --workers "$TEACHER_WORKERS"
 fi
 
 stage "distillation"
