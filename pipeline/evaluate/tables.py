@@ -98,6 +98,9 @@ def result_markdown(result: dict[str, Any], heading_level: int = 2) -> str:
     ):
         if table:
             parts.append(f"{hashes} {title}\n\n{table}\n")
+    precision = (result.get("model") or {}).get("precision")
+    if precision and precision != "fp32":  # a reduced-precision score says so beside its tables
+        parts.append(f"Encoded under {precision} autocast on the CPU (`--precision {precision}`).\n")
     whitening = result.get("whitening")
     if whitening:
         parts.append(

@@ -24,7 +24,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -244,16 +244,18 @@ class SentenceEncoder(nn.Module):
         states = out.hidden_states if need_all else (out.last_hidden_state,)
         return self.head(pool(states, attention_mask, self.pooling))  # (B, dim)
 
-    def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
+    def tokenize(self, texts: Sequence[str], pad: bool = True) -> dict[str, Any]:
+        """The prefixed, truncated token ids of ``texts``: padded (B, L) tensors, or with ``pad=False`` one
+        unpadded list of ids per text (what :meth:`encode` sorts by length before padding each batch)."""
         return self.tokenizer(
             [self.prefix + t for t in texts],
-            padding=True,
+            padding=pad,
             truncation=True,
             max_length=self.max_length,
-            return_tensors="pt",
+            return_tensors="pt" if pad else None,
         )
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def encode(
         self,
         texts: Sequence[str],
@@ -261,25 +263,57 @@ class SentenceEncoder(nn.Module):
         progress: bool = False,
         desc: str = "encode",
         truncate_dim: int | None = None,
+        bf16: bool = False,
+        report: Callable[[int], None] | None = None,
     ) -> np.ndarray:
         """Embed ``texts`` in eval mode; returns float32 (N, H), rows L2-normalised.
 
-        Sentences are sorted by length so each batch pads little, then put back in input order.
+        The texts are tokenised once, sorted by token count (longest first) so that each batch pads to
+        almost nothing, and the vectors are put back in input order. A sentence's vector does not depend
+        on its batch beyond float rounding.
         ``truncate_dim``: keep the first k dimensions and re-normalise (a Matryoshka prefix), (N, k).
+        ``bf16``: run under bfloat16 autocast on the CPU (a ConfigError on another device); the rows are
+        re-normalised in float32. ``report(n)`` is called after each batch with its number of texts.
         """
         from pipeline import progress as progress_bars
 
         was_training = self.training
         self.eval()
         device = next(self.parameters()).device
-        order = np.argsort([-len(t) for t in texts], kind="stable")
+        if bf16 and device.type != "cpu":
+            raise ConfigError(f"bf16 autocast is a CPU option; the encoder is on {device}")
+        if not len(texts):
+            return truncate_normalise(np.zeros((0, self.dim), dtype=np.float32), truncate_dim)
+        tokens = self.tokenize(texts, pad=False)
+        keys = list(tokens.keys())
+        pad_values = {k: (self.tokenizer.pad_token_id or 0) if k == "input_ids" else 0 for k in keys}
+        left = getattr(self.tokenizer, "padding_side", "right") == "left"
+        lengths = np.asarray([len(ids) for ids in tokens["input_ids"]], dtype=np.int64)
+        order = np.argsort(-lengths, kind="stable")
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        reduced = next(self.parameters()).dtype != torch.float32  # e.g. the teacher's fp16 weights on a GPU
         batches = range(0, len(texts), batch_size)
-        for start in progress_bars.bar(iterable=batches, desc=desc, disable=not progress, unit="batch"):
-            idx = order[start : start + batch_size]
-            batch = self.tokenize([texts[i] for i in idx])
-            batch = {k: v.to(device) for k, v in batch.items()}
-            out[idx] = self(**batch).float().cpu().numpy()
+        with autocast:
+            for start in progress_bars.bar(iterable=batches, desc=desc, disable=not progress, unit="batch"):
+                idx = order[start : start + batch_size]
+                width = int(lengths[idx[0]])  # the longest of the batch: sorted longest first
+                batch = {}
+                for k in keys:  # padded as the tokenizer pads (its side, its pad id; 0 in the mask)
+                    rows = np.full((len(idx), width), pad_values[k], dtype=np.int64)  # (b, L)
+                    for row, i in enumerate(idx):
+                        values = tokens[k][i]
+                        if left:
+                            rows[row, width - len(values) :] = values
+                        else:
+                            rows[row, : len(values)] = values
+                    batch[k] = torch.from_numpy(rows).to(device)
+                emb = self(**batch).float()  # (b, dim)
+                if bf16 or reduced:
+                    emb = F.normalize(emb, dim=-1)  # renormalised after reduced-precision compute
+                out[idx] = emb.cpu().numpy()
+                if report is not None:
+                    report(len(idx))
         self.train(was_training)
         return truncate_normalise(out, truncate_dim)
 

@@ -7,7 +7,7 @@ Reads augmented shards and writes shards of the same names, rows and blocks with
 whole shard set: :mod:`pipeline.stages.teacher.negatives`). Work is split like ``augment``: units are shards,
 local workers (``--workers``) and SLURM array tasks (``--task-index/--num-tasks``: task t takes the
 shards i with ``i % num_tasks == t``), a finished shard is skipped on a rerun. A shard's embeddings are
-a function of its own rows (sorted by length within the shard, batched), so the output does not depend
+a function of its own rows (sorted by token count within the shard, batched), so the output does not depend
 on the number of workers, tasks or restarts. With hard negatives the encoded shards wait in the work
 directory; whichever task finishes encoding last mines the negatives and writes the final shards,
 then ``manifest.json`` (or ``--finalize-only`` does).
@@ -30,7 +30,6 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -74,7 +73,7 @@ class Config(Execution):
         "Stored vectors: float16 (2 bytes a value), or int8 codes with a float32 scale per row (1 byte a "
         "value + 4 a row; read back re-normalised). With teacher shards as --shards: convert them to int8.",
     )
-    batch_size: int = option(128, "Sentences per forward pass (sorted by length within a shard).")
+    batch_size: int = option(128, "Sentences per forward pass (sorted by token count within a shard).")
     max_length: int | None = option(None, "Token limit per sentence (empty = the model's encoder.json).")
     device: str = option("auto", "Torch device: auto (cuda if available), cpu, cuda, cuda:1, ...")
     bf16: bool = option(False, "CPU only: run the teacher under bfloat16 autocast (GPU always uses fp16).")
@@ -181,23 +180,10 @@ def teacher_record(cfg: Config, encoder: Any, precision: Precision) -> dict[str,
 def encode_texts(
     encoder: Any, texts: list[str], batch_size: int, precision: Precision, report: Any = None
 ) -> np.ndarray:
-    """(N, D) float32, L2-normalised: batches of length-sorted texts, put back in input order."""
-    import torch
-    import torch.nn.functional as F
-
-    out = np.zeros((len(texts), encoder.dim), dtype=np.float32)  # cast to the stored dtype when written
-    order = np.argsort([-len(t) for t in texts], kind="stable")  # as SentenceEncoder.encode: little padding
-    device = next(encoder.parameters()).device
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
-    with torch.inference_mode(), autocast:
-        for start in range(0, len(texts), batch_size):
-            idx = order[start : start + batch_size]
-            batch = {k: v.to(device) for k, v in encoder.tokenize([texts[i] for i in idx]).items()}
-            emb = F.normalize(encoder(**batch).float(), dim=-1)  # (b, D); renormalised after fp16/bf16
-            out[idx] = emb.cpu().numpy()
-            if report is not None:
-                report(len(idx))
-    return out
+    """(N, D) float32, L2-normalised, in input order: :meth:`SentenceEncoder.encode` (tokenised once,
+    batches of texts sorted by token count), under bf16 autocast for ``precision`` bf16; fp16 weights
+    (a GPU) and bf16 rows are renormalised in float32."""
+    return encoder.encode(texts, batch_size=batch_size, bf16=precision == "bf16", report=report)
 
 
 # --------------------------------------------------------------------------------------------- shards
