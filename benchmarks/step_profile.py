@@ -49,10 +49,10 @@ def timed_step(t: Trainer, batch: dict[str, Any], times: dict[str, list[float]])
     with acc.accumulate(t.model):
         encoded = engines.forward(t, inputs, batch)  # bf16: autocasts itself (build.autocast_bf16_on_cpu)
         lap("forward")
-        part = engines.compute_objective(t, encoded, batch)
+        part = engines.term_loss(t, encoded, batch)
         rows = encoded[0] if isinstance(encoded, tuple) else encoded
         lap("loss")
-        acc.backward(part["loss"])
+        acc.backward(part.total)
         lap("backward")
         if cfg.optim.grad_clip:
             acc.clip_grad_norm_(t.model.parameters(), cfg.optim.grad_clip)

@@ -175,8 +175,8 @@ def _grads(module):
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_gradcache_matches_the_plain_step(tmp_path, shards, dropout):
     from pipeline.train.build import build
+    from pipeline.train.engines import term_loss
     from pipeline.train.gradcache import chunked_forward_backward
-    from pipeline.train.loop import compute_objective
 
     cfg = debug_cfg(
         tmp_path,
@@ -198,17 +198,17 @@ def test_gradcache_matches_the_plain_step(tmp_path, shards, dropout):
         emb = torch.cat(parts)
     else:
         emb = t.model(**inputs)
-    ref_loss = compute_objective(t, emb, batch)["loss"]
+    ref_loss = term_loss(t, emb, batch).total
     ref_loss.backward()
     ref = _grads(t.module)
     t.optimizer.zero_grad(set_to_none=True)
 
     torch.manual_seed(7)
     parts, cached = chunked_forward_backward(
-        t.model, t.accelerator.backward, inputs, size, lambda rows: compute_objective(t, rows, batch)
+        t.model, t.accelerator.backward, inputs, size, lambda rows: term_loss(t, rows, batch)
     )
     got = _grads(t.module)
-    loss = parts["loss"]
+    loss = parts.total
     assert cached.shape == (len(inputs["input_ids"]), emb.shape[-1])
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
     assert len(got) == len(ref) > 0
