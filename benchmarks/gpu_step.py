@@ -469,7 +469,7 @@ def step_measure(
         t2 = time.perf_counter()
         waits.append(t1 - t0)
         host_steps.append(t2 - t1)
-        masks.append(batch["attention_mask"])  # read after the timed steps
+        masks.append(batch.attention_mask)  # read after the timed steps
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - began
@@ -491,7 +491,7 @@ def step_measure(
         "epoch_starts_in_timed_steps": int(epoch_starts),
         "batches_per_epoch": trainer.stream.batches_per_epoch,
         "loader_workers": trainer.stream.num_workers,
-        "pinned": bool(batch["input_ids"].is_pinned()) if cuda else False,
+        "pinned": bool(batch.input_ids.is_pinned()) if cuda else False,
         "sequences": sequences,
         "padded_length_median": statistics.median(f["length"] for f in flops),
         "real_over_padded_tokens": round(real_tokens / padded_tokens, 4),

@@ -34,12 +34,12 @@ def forward(t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch) -> Any:
     of the masked originals (in the same forward, so DDP sees each parameter used once per step)."""
     if t.module.mlm_head is None:
         return t.model(**inputs)
-    return t.model(**inputs, mlm_input_ids=mb["mlm_input_ids"].to(t.accelerator.device, non_blocking=True))
+    return t.model(**inputs, mlm_input_ids=mb.mlm_input_ids.to(t.accelerator.device, non_blocking=True))
 
 
-def micro_batches(batch: Batch | dict[str, Any], parts: int) -> list[Batch]:
+def micro_batches(batch: Batch, parts: int) -> list[Batch]:
     """A rank's batch as ``parts`` micro-batches of whole sentences (:meth:`Batch.split`)."""
-    return Batch.of(batch).split(parts)
+    return batch.split(parts)
 
 
 def guarded(t: Trainer) -> bool:
