@@ -540,7 +540,7 @@ DRIVER = textwrap.dedent(
             if not hooked:
                 hooked.append(t.module.encoder.backbone.embeddings.register_forward_hook(
                     lambda _m, _i, out: out * math.nan if seen[-1] in poison else None))
-            seen.append((batch["epoch"], batch["batch"]))
+            seen.append((batch.epoch, batch.batch))
 
         def on_loss(self, t, batch, out):  # the loss (and its gradient, before clipping) x10 there
             return dataclasses.replace(out, total=out.total * 10) if seen[-1] in spiked else out

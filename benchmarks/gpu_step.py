@@ -509,7 +509,7 @@ def step_measure(
         "epoch_starts_in_timed_steps": int(epoch_starts),
         "batches_per_epoch": trainer.stream.batches_per_epoch,
         "loader_workers": trainer.stream.num_workers,
-        "pinned": bool(batch["input_ids"].is_pinned()) if cuda else False,
+        "pinned": bool(batch.input_ids.is_pinned()) if cuda else False,
         "sequences": sequences,
         "padded_length_median": statistics.median(f["length"] for f in flops),
         "real_over_padded_tokens": round(real_tokens / padded_tokens, 4),

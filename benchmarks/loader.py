@@ -55,7 +55,7 @@ def loader_rate(
     next(batches)  # first block decode (and the tokenizer's warm-up)
     start, n = time.perf_counter(), 0
     for b in batches:
-        n += b["ids"].shape[0]
+        n += b.ids.shape[0]
         if n >= samples:
             break
     return n / (time.perf_counter() - start)
@@ -68,7 +68,7 @@ class TokenCounts:
         self.collate, self.columns = collate, collate.columns
 
     def __call__(self, rows: dict[str, list[Any]]) -> dict[str, int]:
-        mask = self.collate(rows)["attention_mask"]  # (n * B, L)
+        mask = self.collate(rows).attention_mask  # (n * B, L)
         return {"real": int(mask.sum()), "padded": mask.numel()}
 
 

@@ -45,17 +45,15 @@ from pipeline.shards import read_manifest
 
 
 class Stamped:
-    """The collator, its batch as a dict with the wall-clock time it was made and by which worker: the
+    """The collator, its batch in a dict beside the wall-clock time it was made and by which worker: the
     steady-state window starts once every worker has made its first batch (module docstring)."""
 
     def __init__(self, collate: ViewCollator):
         self.collate, self.columns = collate, collate.columns
 
     def __call__(self, rows: dict[str, Any]) -> dict[str, Any]:
-        out = dict(self.collate(rows).items())
         info = get_worker_info()
-        out["made_at"], out["worker"] = time.time(), info.id if info else 0
-        return out
+        return {"batch": self.collate(rows), "made_at": time.time(), "worker": info.id if info else 0}
 
 
 def epoch_rate(
@@ -86,9 +84,9 @@ def epoch_rate(
         arrived.append(time.time())
         made.append(b["made_at"])
         owners.append(b["worker"])
-        sizes.append(b["ids"].shape[0] * b["num_views"])
+        sizes.append(b["batch"].ids.shape[0] * b["batch"].num_views)
         if pinned is None:
-            pinned = bool(b["input_ids"].is_pinned())
+            pinned = bool(b["batch"].input_ids.is_pinned())
     first_of = {}
     for t, w in zip(made, owners, strict=True):
         first_of[w] = min(t, first_of.get(w, t))

@@ -31,7 +31,7 @@ class TokenCounts:
         self.columns = collate.columns
 
     def __call__(self, rows: dict[str, list[Any]]) -> dict[str, int]:
-        mask = self.collate(rows)["attention_mask"]  # (n * B, L)
+        mask = self.collate(rows).attention_mask  # (n * B, L)
         return {"real": int(mask.sum()), "padded": mask.numel()}
 
 

@@ -21,7 +21,6 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -34,7 +33,7 @@ from pipeline.train.config import Config
 REPO = Path(__file__).resolve().parents[1]
 
 
-def timed_step(t: Trainer, batch: dict[str, Any], times: dict[str, list[float]]) -> None:
+def timed_step(t: Trainer, batch: Batch, times: dict[str, list[float]]) -> None:
     """``loop.train_step`` for one micro-batch, no GradCache, no MLM, with a clock between sections."""
     acc, cfg = t.accelerator, t.cfg
     clock = [time.perf_counter()]
@@ -45,14 +44,14 @@ def timed_step(t: Trainer, batch: dict[str, Any], times: dict[str, list[float]])
         clock[0] = now
 
     t.schedule.apply(t.state.step)
-    inputs = {k: batch[k].to(acc.device) for k in ("input_ids", "attention_mask")}
+    inputs = batch.inputs(acc.device)
     with acc.accumulate(t.model):
         encoded = engines.forward(t, inputs, batch)  # bf16: autocasts itself (build.autocast_bf16_on_cpu)
         lap("forward")
-        part = engines.compute_objective(t, encoded, batch)
+        part = engines.term_loss(t, encoded, batch)
         rows = encoded[0] if isinstance(encoded, tuple) else encoded
         lap("loss")
-        acc.backward(part["loss"])
+        acc.backward(part.total)
         lap("backward")
         if cfg.optim.grad_clip:
             acc.clip_grad_norm_(t.model.parameters(), cfg.optim.grad_clip)
@@ -60,16 +59,16 @@ def timed_step(t: Trainer, batch: dict[str, Any], times: dict[str, list[float]])
         t.optimizer.step()
         t.optimizer.zero_grad(set_to_none=True)
         lap("optimizer")
-    t.loss.after_micro_batch(rows, inputs, Batch.of(batch))  # the terms' queues
+    t.loss.after_micro_batch(rows, inputs, batch)  # the terms' queues
     lap("queue keys")
     t.loss.after_step(t.module.encoder)  # the momentum encoder
     lap("momentum update")
     t.state.step += 1
 
 
-def bare_forward_backward(t: Trainer, batch: dict[str, Any]) -> float:
+def bare_forward_backward(t: Trainer, batch: Batch) -> float:
     start = time.perf_counter()
-    rows = t.module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    rows = t.module(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
     rows.sum().backward()
     t.optimizer.zero_grad(set_to_none=True)
     return time.perf_counter() - start
@@ -121,7 +120,7 @@ def main() -> None:
         start = time.perf_counter()
         batch = next(batches)
         load = time.perf_counter() - start
-        seqs, tokens = batch["input_ids"].shape[0], batch["input_ids"].numel()
+        seqs, tokens = batch.input_ids.shape[0], batch.input_ids.numel()
         start = time.perf_counter()
         loop.train_step(t, batch)
         step_time = time.perf_counter() - start

@@ -119,7 +119,7 @@ def bench_loader(shards: Path, tokenizer, args: argparse.Namespace, prefix: str 
     next(batches)  # first block decode and tokenizer warm-up
     t0, n = time.perf_counter(), 0
     for batch in batches:
-        n += batch["ids"].shape[0]
+        n += batch.ids.shape[0]
         if n >= args.loader_sentences:
             break
     return n / (time.perf_counter() - t0)
@@ -160,7 +160,7 @@ def bench_ours(shards: Path, model_dir: Path, run_dir: Path, args: argparse.Name
     for _ in range(args.steps):
         batch = next(batches)
         out = train_step(trainer, batch)
-        real, padded = real + int(batch["attention_mask"].sum()), padded + batch["attention_mask"].numel()
+        real, padded = real + int(batch.attention_mask.sum()), padded + batch.attention_mask.numel()
     out["loss"].item()  # the one host sync
     elapsed = time.perf_counter() - t0
     trainer.close()

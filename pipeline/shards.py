@@ -408,6 +408,18 @@ class ShardSet:
     def teacher_dim(self) -> int | None:
         return None if self.teacher is None else self.teacher.get("dim")
 
+    @property
+    def holds_pairs(self) -> bool:
+        """Whether the set holds (anchor, positive) pairs rather than sentences (:func:`holds_pairs`)."""
+        return holds_pairs(self.manifest)
+
+
+def holds_pairs(manifest: dict[str, Any]) -> bool:
+    """Whether a shard set's manifest describes pair shards: written by ``pipeline pairs``, or by a stage
+    over its output (the teacher stage records ``input_stage: pairs``). The one reader of "what kind of
+    shard set is this": the trainer's data plan and the stages that refuse or carry pairs ask it."""
+    return manifest.get("stage") == "pairs" or manifest.get("input_stage") == "pairs"
+
 
 def read_shard_set(directory: str | Path | ShardSet) -> ShardSet:
     """The manifest of the shard set in ``directory`` as a :class:`ShardSet` (a ShardSet is returned as is).

@@ -236,20 +236,21 @@ def test_a_second_epoch_meets_its_own_stale_keys_and_the_run_logs_how_many_were_
 
 
 def test_micro_batches_carry_each_sentences_id_and_text_hash():
+    from pipeline.data.collate import Batch
     from pipeline.train.loop import micro_batches
 
     b, n = 4, 2
-    batch = {
-        "num_views": n,
-        "input_ids": torch.arange(n * b)[:, None],  # row v * B + i
-        "attention_mask": torch.ones(n * b, 1, dtype=torch.long),
-        "ids": torch.tensor([10, 11, 12, 13]),
-        "text_hashes": torch.tensor([-1, -2, -3, -4]),
-    }
+    batch = Batch(
+        num_views=n,
+        input_ids=torch.arange(n * b)[:, None],  # row v * B + i
+        attention_mask=torch.ones(n * b, 1, dtype=torch.long),
+        ids=torch.tensor([10, 11, 12, 13]),
+        text_hashes=torch.tensor([-1, -2, -3, -4]),
+    )
     first, second = micro_batches(batch, 2)
-    assert first["input_ids"].flatten().tolist() == [0, 1, 4, 5]  # sentences 0 and 1, both views
-    assert first["ids"].tolist() == [10, 11] and second["ids"].tolist() == [12, 13]
-    assert second["text_hashes"].tolist() == [-3, -4]
+    assert first.input_ids.flatten().tolist() == [0, 1, 4, 5]  # sentences 0 and 1, both views
+    assert first.ids.tolist() == [10, 11] and second.ids.tolist() == [12, 13]
+    assert second.text_hashes.tolist() == [-3, -4]
 
 
 @pytest.mark.parametrize("same_text", [False, True])
@@ -268,6 +269,6 @@ def test_batches_carry_text_hashes_only_when_a_same_text_rule_reads_them(tmp_pat
     encoder = build_encoder(cfg)
     stream = build_stream(cfg, read_shard_set(shards), encoder.tokenizer, 0, 1, encoder.prefix)
     batch = next(iter(stream))
-    assert ("text_hashes" in batch) is same_text and batch["ids"].dtype == torch.int64
+    assert (batch.text_hashes is not None) is same_text and batch.ids.dtype == torch.int64
     if same_text:
-        assert batch["text_hashes"].shape == batch["ids"].shape and batch["text_hashes"].dtype == torch.int64
+        assert batch.text_hashes.shape == batch.ids.shape and batch.text_hashes.dtype == torch.int64

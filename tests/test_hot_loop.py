@@ -40,7 +40,7 @@ def linear_output_dtypes(module: torch.nn.Module, run) -> set[torch.dtype]:
 @pytest.mark.parametrize("precision, expected", [("bf16", torch.bfloat16), ("no", torch.float32)])
 def test_mixed_precision_bf16_really_autocasts_on_cpu(tmp_path, shards, precision, expected):
     t, batch, out = one_step(tmp_path, shards, **{"train.mixed_precision": precision})
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    inputs = {k: getattr(batch, k) for k in ("input_ids", "attention_mask")}
     assert linear_output_dtypes(t.module, lambda: t.model(**inputs)) == {expected}
     momentum = t.loss.states()["momentum_encoder"]  # the luse term's own
     assert linear_output_dtypes(momentum, lambda: momentum.encode(**inputs)) == {expected}

@@ -87,11 +87,11 @@ def test_collator_masks_view_zero_only(tmp_path):
     rows = {"id": list(range(1, 9)), "text": texts, "variants": [[t[1:]] for t in texts]}
     out = MLMCollator(inner, tok, seed=3)(rows)
     plain = inner(rows)
-    assert torch.equal(out["input_ids"], plain["input_ids"])  # the contrastive views are not masked
-    sel = out["mlm_labels"] != IGNORE_INDEX
-    assert out["mlm_input_ids"].shape == (8, plain["input_ids"].shape[1])
-    assert torch.equal(out["mlm_labels"][sel], plain["input_ids"][:8][sel])
-    assert torch.equal(MLMCollator(inner, tok, seed=3)(rows)["mlm_input_ids"], out["mlm_input_ids"])
+    assert torch.equal(out.input_ids, plain.input_ids)  # the contrastive views are not masked
+    sel = out.mlm_labels != IGNORE_INDEX
+    assert out.mlm_input_ids.shape == (8, plain.input_ids.shape[1])
+    assert torch.equal(out.mlm_labels[sel], plain.input_ids[:8][sel])
+    assert torch.equal(MLMCollator(inner, tok, seed=3)(rows).mlm_input_ids, out.mlm_input_ids)
 
 
 def test_loss_equals_literal_cross_entropy():

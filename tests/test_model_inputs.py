@@ -134,14 +134,14 @@ def test_collators_apply_the_prefix_once(xlmr_parts):
     texts = sample_sentences(4)
     rows = {"id": [1, 2, 3, 4], "text": texts, "variants": [[t[1:]] for t in texts]}
     out = ViewCollator(tokenizer, 48, num_variants=1, num_dropout_views=1, prefix=PREFIX)(rows)
-    got = _unpadded(out["input_ids"], out["attention_mask"])
+    got = _unpadded(out.input_ids, out.attention_mask)
     want = [_ids(tokenizer, PREFIX + t) for t in texts + [t[1:] for t in texts] + texts]
-    assert got == want and out["num_views"] == 3
-    assert (out["input_ids"][out["attention_mask"] == 0] == 1).all()  # padding is <pad> = 1
+    assert got == want and out.num_views == 3
+    assert (out.input_ids[out.attention_mask == 0] == 1).all()  # padding is <pad> = 1
 
     pairs = {"index": [0, 1], "text0": texts[:2], "text1": texts[2:], "label": [1.0, 0.0]}
     out = PairCollator(tokenizer, 48, ["text0", "text1"], torch.float32, prefix=PREFIX)(pairs)
-    assert _unpadded(out["input_ids"], out["attention_mask"]) == [_ids(tokenizer, PREFIX + t) for t in texts]
+    assert _unpadded(out.input_ids, out.attention_mask) == [_ids(tokenizer, PREFIX + t) for t in texts]
 
 
 class _RecordingTokenizer:
@@ -337,9 +337,9 @@ def test_train_resume_eval_export_from_an_xlmr_folder(tmp_path, xlmr_folder, fre
         assert (trainer.encoder.pooling, trainer.encoder.prefix) == ("mean", PREFIX)
         batch = next(iter(trainer.stream))
         tokenizer = trainer.encoder.tokenizer
-        texts = [tokenizer.decode(r, skip_special_tokens=True) for r in batch["input_ids"]]
+        texts = [tokenizer.decode(r, skip_special_tokens=True) for r in batch.input_ids]
         assert all(t.startswith(PREFIX) and not t.startswith(PREFIX + "query:") for t in texts), texts[:2]
-        assert (batch["input_ids"][batch["attention_mask"] == 0] == 1).all()
+        assert (batch.input_ids[batch.attention_mask == 0] == 1).all()
     finally:
         trainer.close()
         AcceleratorState._reset_state(True)

@@ -65,7 +65,7 @@ DRIVER = textwrap.dedent(
 
     def record_ids(t, batch):  # the trainer's hook, called with each batch before its step
         with open(run_dir / f"ids-rank{os.environ['RANK']}.txt", "a") as f:
-            f.write(f"{t.state.step + 1} " + " ".join(str(i) for i in batch["ids"].tolist()) + "\\n")
+            f.write(f"{t.state.step + 1} " + " ".join(str(i) for i in batch.ids.tolist()) + "\\n")
 
     sys.exit(pretrain.main(argv, on_batch=record_ids))
     """

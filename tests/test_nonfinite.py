@@ -33,8 +33,8 @@ class Poison:
             embeddings = t.module.encoder.backbone.embeddings
             embeddings.register_forward_hook(lambda _m, _i, out: out * math.nan if self.active else None)
             self.hooked = True
-        self.active = (batch["epoch"], batch["batch"]) in self.positions
-        self.seen.append((batch["epoch"], batch["batch"]))
+        self.active = (batch.epoch, batch.batch) in self.positions
+        self.seen.append((batch.epoch, batch.batch))
 
 
 def cfg_for(tmp_path, shards, name, **overrides):

@@ -256,14 +256,14 @@ def test_pair_batches_for_luse_carry_the_dropout_views(pair_data, tmp_path):  # 
     cfg = pair_config(tmp_path, pair_data["taught"], LOSS, **{"data.num_dropout_views": 1})
     (batch,) = _batches(cfg, 1, pair_data["teacher"])
     b = cfg.train.global_batch_size
-    assert batch["num_views"] == 3 and batch["input_ids"].shape[0] == 3 * b
-    assert torch.equal(batch["input_ids"][2 * b :], batch["input_ids"][:b])  # the anchors' tokens again
-    assert not torch.equal(batch["input_ids"][b : 2 * b], batch["input_ids"][:b])
+    assert batch.num_views == 3 and batch.input_ids.shape[0] == 3 * b
+    assert torch.equal(batch.input_ids[2 * b :], batch.input_ids[:b])  # the anchors' tokens again
+    assert not torch.equal(batch.input_ids[b : 2 * b], batch.input_ids[:b])
     for key in ("groups", "text_hashes", "positive_text_hashes"):
-        assert batch[key].shape == (b,)
-    assert batch["teacher_positive"].shape == (b, 24)
+        assert getattr(batch, key).shape == (b,)
+    assert batch.teacher_positive.shape == (b, 24)
     (two,) = _batches(pair_config(tmp_path, pair_data["taught"], LOSS), 1, pair_data["teacher"])
-    assert two["num_views"] == 2 and torch.equal(two["input_ids"], batch["input_ids"][: 2 * b])
+    assert two.num_views == 2 and torch.equal(two.input_ids, batch.input_ids[: 2 * b])
 
 
 def test_tiny_train_distill_plus_luse_on_pairs_resumes_exactly(pair_data, tmp_path):  # noqa: F811

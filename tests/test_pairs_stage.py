@@ -352,7 +352,6 @@ def test_consistency_filter_keeps_top_k_and_stores_scores(tmp_path, tiny_teacher
     )
 
     # An int8 copy is still pair shards (training reads both sides, by source); tokenize refuses them.
-    from pipeline.data.sources import is_pair_set
     from pipeline.errors import InputError
     from pipeline.shards import read_shard_set
     from pipeline.stages.tokenize import Config as TokenizeConfig
@@ -364,7 +363,7 @@ def test_consistency_filter_keeps_top_k_and_stores_scores(tmp_path, tiny_teacher
     assert converted["input_stage"] == "pairs" and converted["pair_filter"] == manifest["pair_filter"]
     sources = [e["block_sources"] for e in manifest["shards"]]
     assert [e["block_sources"] for e in converted["shards"]] == sources
-    assert is_pair_set(read_shard_set(int8))
+    assert read_shard_set(int8).holds_pairs
     with pytest.raises(InputError, match="holds pair shards"):
         tokenize_run(TokenizeConfig(shards=int8, out=tmp_path / "ids", model=str(tiny_teacher)))
 

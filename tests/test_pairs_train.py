@@ -165,17 +165,17 @@ def test_pair_batches_carry_both_sides_groups_hashes_and_teachers(pair_data, tmp
     cfg = pair_config(tmp_path, pair_data["taught"], loss)
     (batch,) = _batches(cfg, 1, pair_data["teacher"])
     b = cfg.train.global_batch_size
-    assert batch["num_views"] == 2 and batch["input_ids"].shape[0] == 2 * b
+    assert batch.num_views == 2 and batch.input_ids.shape[0] == 2 * b
     for key in ("groups", "ids", "text_hashes", "positive_text_hashes"):
-        assert batch[key].shape == (b,) and batch[key].dtype == torch.int64
-    assert batch["teacher"].shape == batch["teacher_positive"].shape == (b, 24)
-    assert not torch.equal(batch["teacher"], batch["teacher_positive"])
-    assert not torch.equal(batch["text_hashes"], batch["positive_text_hashes"])
+        assert getattr(batch, key).shape == (b,) and getattr(batch, key).dtype == torch.int64
+    assert batch.teacher.shape == batch.teacher_positive.shape == (b, 24)
+    assert not torch.equal(batch.teacher, batch.teacher_positive)
+    assert not torch.equal(batch.text_hashes, batch.positive_text_hashes)
     # distillation alone on pair shards reads both texts and both teachers too (the study's control)
     alone_cfg = pair_config(tmp_path, pair_data["taught"], [{"distill": {}}])
     (alone,) = _batches(alone_cfg, 1, pair_data["teacher"])
-    assert alone["num_views"] == 2 and "teacher_positive" in alone and "text_hashes" not in alone
-    assert torch.equal(alone["input_ids"], batch["input_ids"])  # the same order and texts
+    assert alone.num_views == 2 and alone.teacher_positive is not None and alone.text_hashes is None
+    assert torch.equal(alone.input_ids, batch.input_ids)  # the same order and texts
 
 
 def test_the_loss_and_the_shards_must_fit(pair_data, tmp_path):

@@ -43,7 +43,7 @@ DRIVER = textwrap.dedent(
     def record_ids(t, batch):  # the trainer's hook, called with each batch before its step
         rank = int(os.environ.get("RANK", "0"))
         with open(run_dir / f"ids-rank{rank}.txt", "a") as f:
-            f.write(f"{t.state.step + 1} " + " ".join(str(i) for i in batch["ids"].tolist()) + "\\n")
+            f.write(f"{t.state.step + 1} " + " ".join(str(i) for i in batch.ids.tolist()) + "\\n")
 
     sys.exit(pretrain.main(argv, on_batch=record_ids))
     """

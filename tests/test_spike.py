@@ -31,7 +31,7 @@ class Spiky(Callbacks):
         self.seen = seen
 
     def on_batch(self, t, batch):
-        self.seen.append(batch["epoch"] * PER_EPOCH + batch["batch"])
+        self.seen.append(batch.epoch * PER_EPOCH + batch.batch)
 
     def on_loss(self, t, batch, out):
         return dataclasses.replace(out, total=out.total * 10) if self.seen[-1] in SPIKED else out

@@ -192,8 +192,8 @@ def test_fast_encoder_equals_the_transformers_tokenizer(tmp_path):
     write_vocab(build_char_vocab(rows["text"] * 2), tmp_path / "v2.txt")
     tok = make_tokenizer(tmp_path / "v2.txt")
     out = ViewCollator(tok, 24, num_variants=2, num_dropout_views=1)(rows)
-    assert out["num_views"] == 4 and out["input_ids"].shape[0] == 8
-    decoded = [tok.decode(x, skip_special_tokens=True).replace(" ", "") for x in out["input_ids"]]
+    assert out.num_views == 4 and out.input_ids.shape[0] == 8
+    decoded = [tok.decode(x, skip_special_tokens=True).replace(" ", "") for x in out.input_ids]
     assert decoded == [
         "今天天气好",
         "明天下雨",

@@ -326,17 +326,17 @@ def test_collator_emits_teacher_and_hard_negative_rows(taught, teacher_dir):
     rows = source.rows(runs)
     batch = collate(rows)
     b, n = 5, 1 + k + d
-    assert batch["num_views"] == n and batch["num_hard_negatives"] == m
-    assert batch["input_ids"].shape[0] == (n + m) * b
+    assert batch.num_views == n and batch.num_hard_negatives == m
+    assert batch.input_ids.shape[0] == (n + m) * b
     full = table(taught)
     by_id = {int(i): r for r, i in enumerate(full.column("id").to_numpy())}
     vectors = teacher_matrix(full.column("teacher"))
     want = np.stack([vectors[by_id[int(i)]] for i in np.asarray(rows["id"], dtype=np.uint64)])
-    assert batch["teacher"].dtype == torch.float32 and batch["teacher"].shape == (b, 24)
-    np.testing.assert_array_equal(batch["teacher"].numpy(), want)
+    assert batch.teacher.dtype == torch.float32 and batch.teacher.shape == (b, 24)
+    np.testing.assert_array_equal(batch.teacher.numpy(), want)
 
     def tokens(row: int) -> list[int]:
-        return batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist()
+        return batch.input_ids[row][batch.attention_mask[row].bool()].tolist()
 
     for i in range(b):
         assert tokens((1 + k) * b + i) == tokens(i)  # the dropout view repeats view 0
@@ -357,7 +357,7 @@ def test_training_steps_on_teacher_shards(tmp_path, taught):
     })  # fmt: skip
     t = build(cfg)
     batch = next(iter(t.stream))
-    assert batch["teacher"].shape[1] == 24 and batch["num_hard_negatives"] == 2
+    assert batch.teacher.shape[1] == 24 and batch.num_hard_negatives == 2
     out = train_step(t, batch)
     assert torch.isfinite(out["loss"]) and torch.isfinite(out["distill_loss"])
     t.close()

@@ -161,14 +161,14 @@ def test_both_dtypes_give_the_same_training_batches(sets, tmp_path):
         t = build(cfg)
         batch = next(iter(t.stream))
         batches[dtype] = batch
-        assert batch["teacher"].dtype == torch.float32 and batch["teacher"].shape[1] == DIM
+        assert batch.teacher.dtype == torch.float32 and batch.teacher.shape[1] == DIM
         out = train_step(t, batch)
         assert torch.isfinite(out["distill_loss"])
         t.close()
     half, int8 = batches["fp16"], batches["int8"]
-    assert torch.equal(half["ids"], int8["ids"])  # the same rows: the int8 set has the same blocks
-    torch.testing.assert_close(int8["teacher"].norm(dim=1), torch.ones(len(int8["ids"])), atol=1e-6, rtol=0)
-    assert torch.nn.functional.cosine_similarity(int8["teacher"], half["teacher"]).min() >= 0.999
+    assert torch.equal(half.ids, int8.ids)  # the same rows: the int8 set has the same blocks
+    torch.testing.assert_close(int8.teacher.norm(dim=1), torch.ones(len(int8.ids)), atol=1e-6, rtol=0)
+    assert torch.nn.functional.cosine_similarity(int8.teacher, half.teacher).min() >= 0.999
 
 
 # --------------------------------------------------------------------------------------------- refusals

@@ -131,20 +131,20 @@ def test_distillation_hard_negatives_and_teacher_queue_in_train_step(tmp_path, s
     t = build(debug_cfg(tmp_path, shards, **overrides))
     assert isinstance(t.module.head, torch.nn.Linear) and "teacher_queue" in t.states()
     batch = next(iter(t.stream))
-    n, b = batch["num_views"], batch["input_ids"].shape[0] // batch["num_views"]
+    n, b = batch.num_views, batch.input_ids.shape[0] // batch.num_views
     g = torch.Generator().manual_seed(0)
     hard = torch.randint(0, b, (2 * b,), generator=g)  # m = 2 hard negatives: other sentences' originals
-    batch["input_ids"] = torch.cat([batch["input_ids"], batch["input_ids"][hard]])
-    batch["attention_mask"] = torch.cat([batch["attention_mask"], batch["attention_mask"][hard]])
-    batch["num_hard_negatives"] = 2
-    batch["teacher"] = torch.nn.functional.normalize(torch.randn(b, 12, generator=g), dim=-1)
+    batch.input_ids = torch.cat([batch.input_ids, batch.input_ids[hard]])
+    batch.attention_mask = torch.cat([batch.attention_mask, batch.attention_mask[hard]])
+    batch.num_hard_negatives = 2
+    batch.teacher = torch.nn.functional.normalize(torch.randn(b, 12, generator=g), dim=-1)
     out = train_step(t, batch)
     assert {"loss", "contrastive_loss", "distill_loss", "kl_loss"} <= set(out)
     assert all(math.isfinite(float(v)) for k, v in out.items() if k.endswith("loss"))
     assert out["embeddings"].shape[:2] == (n, b // 2)  # the last micro-batch's views only
     # the teacher queue holds the teacher rows of the enqueued originals, in the same order as the keys
     queue, teacher_queue = t.loss.states()["queue"], t.loss.states()["teacher_queue"]  # the terms' own
-    torch.testing.assert_close(teacher_queue.negatives(), batch["teacher"].to(teacher_queue.keys.dtype))
+    torch.testing.assert_close(teacher_queue.negatives(), batch.teacher.to(teacher_queue.keys.dtype))
     assert queue.fill == teacher_queue.fill == b
     t.close()
 
@@ -175,8 +175,8 @@ def _grads(module):
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_gradcache_matches_the_plain_step(tmp_path, shards, dropout):
     from pipeline.train.build import build
+    from pipeline.train.engines import term_loss
     from pipeline.train.gradcache import chunked_forward_backward
-    from pipeline.train.loop import compute_objective
 
     cfg = debug_cfg(
         tmp_path,
@@ -185,7 +185,7 @@ def test_gradcache_matches_the_plain_step(tmp_path, shards, dropout):
     )
     t = build(cfg)
     batch = next(iter(t.stream))
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    inputs = {k: getattr(batch, k) for k in ("input_ids", "attention_mask")}
     size = cfg.train.gradcache_chunk_size
 
     # reference: a forward with graph, chunk by chunk from the same RNG state (dropout on), or whole (off)
@@ -198,17 +198,17 @@ def test_gradcache_matches_the_plain_step(tmp_path, shards, dropout):
         emb = torch.cat(parts)
     else:
         emb = t.model(**inputs)
-    ref_loss = compute_objective(t, emb, batch)["loss"]
+    ref_loss = term_loss(t, emb, batch).total
     ref_loss.backward()
     ref = _grads(t.module)
     t.optimizer.zero_grad(set_to_none=True)
 
     torch.manual_seed(7)
     parts, cached = chunked_forward_backward(
-        t.model, t.accelerator.backward, inputs, size, lambda rows: compute_objective(t, rows, batch)
+        t.model, t.accelerator.backward, inputs, size, lambda rows: term_loss(t, rows, batch)
     )
     got = _grads(t.module)
-    loss = parts["loss"]
+    loss = parts.total
     assert cached.shape == (len(inputs["input_ids"]), emb.shape[-1])
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
     assert len(got) == len(ref) > 0

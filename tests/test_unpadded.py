@@ -147,7 +147,7 @@ def test_split_of_a_flat_batch_is_the_flat_split():
     for flat_part, padded_part in zip(unpad(batch).split(2), batch.split(2)):
         expected = unpad(padded_part)
         for name in ("input_ids", "position_ids", "cu_seqlens"):
-            assert flat_part[name].tolist() == expected[name].tolist(), name
+            assert getattr(flat_part, name).tolist() == getattr(expected, name).tolist(), name
         assert flat_part.max_seqlen == expected.max_seqlen and flat_part.attention_mask is None
 
 
@@ -169,7 +169,7 @@ def test_view_collator_flat_output_matches_its_padded_output():
     flat = TokenLayout(collate, 0, 32, unpadded=True)(rows)
     assert flat.num_views == padded.num_views == 3 and flat.ids.tolist() == padded.ids.tolist()
     for name in ("input_ids", "position_ids", "cu_seqlens"):
-        assert flat[name].tolist() == unpad(padded)[name].tolist()
+        assert getattr(flat, name).tolist() == getattr(unpad(padded), name).tolist()
     bucketed = TokenLayout(collate, 0, 32, pad_to_multiple_of=8)(rows)
     assert bucketed.input_ids.shape == (12, 16)  # longest 9 -> 16
     assert bucketed.input_ids[:, :9].tolist() == padded.input_ids.tolist()

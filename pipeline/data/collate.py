@@ -55,9 +55,8 @@ class Batch:
     ``position_ids`` (T,) hold every row's real tokens one row after another, row r at
     ``cu_seqlens[r]:cu_seqlens[r + 1]``, ``max_seqlen`` the longest row, ``attention_mask`` None.
 
-    ``batch[name]``, ``name in batch`` (set, not None), ``batch.get(name, default)``, ``keys()`` and
-    ``items()`` (the set fields) read it by name, for hooks and tests that inspect a batch; an unknown
-    name is a KeyError, never a silent None.
+    Fields are read as attributes only (no access by name: a misspelt field is an AttributeError, and a
+    type checker sees every read).
     """
 
     input_ids: torch.Tensor = _rows()  # ((n + m) * B, L) int64; unpadded: (T,) the rows' tokens
@@ -146,35 +145,6 @@ class Batch:
         return dataclasses.replace(
             self, **{k: v.pin_memory() for k, v in values.items() if isinstance(v, torch.Tensor)}
         )
-
-    @classmethod
-    def of(cls, batch: Batch | dict[str, Any]) -> Batch:
-        """``batch`` as a Batch: a mapping of field names (a hand-made batch) is converted."""
-        return batch if isinstance(batch, Batch) else cls(**batch)
-
-    def _field(self, name: str) -> str:
-        if name not in _FIELDS:
-            raise KeyError(f"a Batch has no field {name!r} (fields: {', '.join(_FIELDS)})")
-        return name
-
-    def __getitem__(self, name: str) -> Any:
-        return getattr(self, self._field(name))
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        setattr(self, self._field(name), value)
-
-    def __contains__(self, name: object) -> bool:
-        return name in _FIELDS and getattr(self, str(name)) is not None
-
-    def get(self, name: str, default: Any = None) -> Any:
-        value = getattr(self, self._field(name))
-        return default if value is None else value
-
-    def keys(self) -> list[str]:
-        return [name for name in _FIELDS if getattr(self, name) is not None]
-
-    def items(self) -> list[tuple[str, Any]]:
-        return [(name, getattr(self, name)) for name in self.keys()]
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Batch))
@@ -328,11 +298,11 @@ class ViewCollator:
 
     With ``num_hard_negatives`` m the m mined negatives follow the views: row n*B + j*B + i is negative
     j of sentence i (a sentence with fewer than m cached takes the next sentence's original in the
-    missing slots: an in-batch negative anyway), and ``batch["num_hard_negatives"] = m``. With
-    ``teacher`` the batch carries ``batch["teacher"]``, the cached teacher vectors (B, D) float32.
+    missing slots: an in-batch negative anyway), and ``batch.num_hard_negatives = m``. With
+    ``teacher`` the batch carries ``batch.teacher``, the cached teacher vectors (B, D) float32.
 
-    ``batch["ids"]`` holds the sentences' 64-bit ids and, with ``hash_texts`` (a ``same_text`` rule is
-    on), ``batch["text_hashes"]`` the hashes of their normalised texts (:func:`text_hashes`), both (B,)
+    ``batch.ids`` holds the sentences' 64-bit ids and, with ``hash_texts`` (a ``same_text`` rule is
+    on), ``batch.text_hashes`` the hashes of their normalised texts (:func:`text_hashes`), both (B,)
     int64: what the false-negative rules compare.
 
     With ``pretokenized`` the rows carry the shards' token ids (``pipeline tokenize``, hash checked by
@@ -460,11 +430,11 @@ class PairShardCollator:
     the anchors (``text``) then the positives, view-major as :class:`PairCollator`: row i is anchor i,
     row B + i its positive, ``num_views`` 2, one padding length for both.
 
-    ``batch["groups"]`` (B,) int64: the pairs' ``group`` (a record's pairs share it; the pairs term never
-    uses one as another's negative); ``batch["ids"]`` the pair ids. With ``hash_texts`` (pairs.same_text)
-    ``batch["text_hashes"]`` and ``batch["positive_text_hashes"]`` (B,) int64 hash both sides
-    (:func:`text_hashes`). With ``teacher`` the teacher stage's vectors of both sides: ``batch["teacher"]``
-    and ``batch["teacher_positive"]`` (B, D) float32 (the distill term distils both).
+    ``batch.groups`` (B,) int64: the pairs' ``group`` (a record's pairs share it; the pairs term never
+    uses one as another's negative); ``batch.ids`` the pair ids. With ``hash_texts`` (pairs.same_text)
+    ``batch.text_hashes`` and ``batch.positive_text_hashes`` (B,) int64 hash both sides
+    (:func:`text_hashes`). With ``teacher`` the teacher stage's vectors of both sides: ``batch.teacher``
+    and ``batch.teacher_positive`` (B, D) float32 (the distill term distils both).
 
     With ``dropout_views`` d (luse on pairs) the anchors' tokens follow again d times, rows (2 + j) B + i
     (``num_views`` 2 + d): dropout makes their encodings differ, as :class:`ViewCollator`'s dropout views.

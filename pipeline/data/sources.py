@@ -19,16 +19,11 @@ from pipeline.errors import ConfigError
 from pipeline.shards import ShardSet
 
 
-def is_pair_set(shard_set: ShardSet) -> bool:
-    """Written by ``pipeline pairs``, or by a stage over its output (teacher: ``input_stage``)."""
-    return shard_set.stage == "pairs" or shard_set.manifest.get("input_stage") == "pairs"
-
-
 def pair_batches(loss: Any, shard_set: ShardSet | None) -> bool:
     """Whether the run's batches are pairs; a ConfigError when the loss and the shards do not fit."""
     if shard_set is None:
         return False
-    pairs = is_pair_set(shard_set)
+    pairs = shard_set.holds_pairs
     if loss.data == "pair_shards" and not pairs:
         raise ConfigError(
             f"loss term {loss.main.name} reads pair shards, but {shard_set.directory} holds sentences "

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -320,6 +320,18 @@ class MemorySource:
 
 
 # --------------------------------------------------------------------------------------------- dataset
+class Delivery(NamedTuple):
+    """What a loader worker sends the main process for one batch index: the collator's batch, or the
+    error that stopped the worker. The stream's control record, apart from the batches it carries: the
+    stream reads it, checks the position and yields ``batch`` alone. (A NamedTuple: the DataLoader's
+    pin-memory thread pins the batch inside it.)"""
+
+    epoch: int
+    index: int  # the batch's index in its epoch
+    batch: Any = None  # the collator's output (the trainer's collators: a Batch)
+    error: PipelineError | None = None  # e.g. a damaged block, raised in the main process as one line
+
+
 class _RankBatches(IterableDataset):
     """This rank's slices of global batches ``start, start+1, ...`` of one epoch, collated in workers."""
 
@@ -339,7 +351,7 @@ class _RankBatches(IterableDataset):
         self.global_batch, self.rank, self.world = global_batch, rank, world
         self.start, self.stop = start, stop
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Delivery]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         local = self.global_batch // self.world
@@ -352,20 +364,21 @@ class _RankBatches(IterableDataset):
             try:
                 rows = self.source.rows(runs)
             except PipelineError as exc:  # e.g. a damaged block: the main process raises it as one line
-                yield {"epoch": self.order.epoch, "batch": b, "error": exc}
+                yield Delivery(self.order.epoch, b, error=exc)
                 return
-            out = self.collate(rows)  # the trainer's collators give a Batch; any mapping works too
+            out = self.collate(rows)  # the trainer's collators give a Batch; any value works too
             if isinstance(out, Batch):
-                yield out.at(self.order.epoch, b)
-            else:
-                yield {"epoch": self.order.epoch, "batch": b, **out}
+                out = out.at(self.order.epoch, b)  # hooks read where a batch came from
+            yield Delivery(self.order.epoch, b, out)
 
 
 class BatchStream:
     """This rank's batches, epoch after epoch; owns the cursor (``state_dict``/``load_state_dict``).
 
-    ``collate(rows) -> dict`` turns the rows of one rank-slice (a mapping column -> list) into tensors;
-    it runs in the loader workers, so it must be picklable. The cursor advances when the consumer
+    ``collate(rows) -> Batch`` turns the rows of one rank-slice (a mapping column -> list) into tensors
+    (any value works; the stream yields it as the collator gave it, a Batch marked with its position);
+    it runs in the loader workers, so it must be picklable. Errors and positions travel beside the
+    batches in a :class:`Delivery`, never inside them. The cursor advances when the consumer
     takes a batch, so a checkpoint taken between steps records exactly what was used.
     ``bucket_window`` > 0 turns on length bucketing over windows of that many global batches.
     ``pin_memory``: batches in page-locked memory (a CUDA device), so host-to-device copies are async.
@@ -461,7 +474,7 @@ class BatchStream:
             )
         self.cursor.load_state_dict(state)
 
-    def epoch_batches(self) -> Iterator[dict[str, Any]]:
+    def epoch_batches(self) -> Iterator[Any]:
         """The rest of the current epoch from the cursor; moves the cursor to the next epoch at the end."""
         epoch, start = self.cursor.epoch, self.cursor.batches
         if start < self.batches_per_epoch:
@@ -508,15 +521,15 @@ class BatchStream:
                 pin_memory=self.pin_memory,
                 **extra,
             )
-            for batch in loader:
-                if "error" in batch:
-                    raise batch["error"]
-                assert batch["batch"] == self.cursor.batches, "loader order broke the cursor"
+            for delivery in loader:
+                if delivery.error is not None:
+                    raise delivery.error
+                assert delivery.index == self.cursor.batches, "loader order broke the cursor"
                 self.cursor.batches += 1
-                yield batch
+                yield delivery.batch
         self.cursor.epoch, self.cursor.batches = epoch + 1, 0
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[Any]:
         """Batches for ever, epoch after epoch (the loop decides when to stop)."""
         while True:
             yield from self.epoch_batches()

@@ -26,7 +26,6 @@ docs/objectives.md.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pipeline.losses import (
@@ -64,23 +63,9 @@ DEFAULT_LOSS: list[dict[str, Any]] = [{"luse": {}, "weight": 1.0}]  # a run's lo
 
 
 def build_loss(entries: list[dict]) -> Loss:
-    """The config's ``loss`` list as a :class:`Loss` (a ConfigError names any bad entry).
-
-    Parsed once per distinct list: a run asks for its terms in many places (config checks, the data
-    plan, build, the loop), and a :class:`Loss` holds no state that changes, so they share one.
-    """
-    try:
-        key = json.dumps(entries, sort_keys=True)
-    except (TypeError, ValueError):  # not plain data: a mistake parse_terms names, or a value to parse
-        return Loss(parse_terms(entries, TERMS))
-    if key not in _PARSED:
-        if len(_PARSED) >= 64:  # many configs in one process (the tests): keep the newest
-            _PARSED.pop(next(iter(_PARSED)))
-        _PARSED[key] = Loss(parse_terms(entries, TERMS))
-    return _PARSED[key]
-
-
-_PARSED: dict[str, Loss] = {}  # build_loss's parses, by the loss list's JSON
+    """The config's ``loss`` list as a :class:`Loss` (a ConfigError names any bad entry). A training
+    config parses its list once (:meth:`pipeline.train.config.Config.terms`)."""
+    return Loss(parse_terms(entries, TERMS))
 
 
 def trained_loss(config: dict[str, Any]) -> dict[str, Any]:

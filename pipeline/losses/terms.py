@@ -224,18 +224,24 @@ class Loss:
 
 
 # ---------------------------------------------------------------------------------------- training
-@dataclass
+@dataclass(frozen=True)
 class LossOut:
     """What the loss gives for one micro-batch: the weighted total, each term's value by its ``part``
-    name (contrastive, distill, kl, mlm, matryoshka), and the counts a term reports (not losses)."""
+    name (contrastive, distill, kl, mlm, matryoshka), and the counts a term reports (not losses). Parts
+    and counts stay apart: the step logs a part as ``{part}_loss`` (mean over micro-batches) and a count
+    as ``{name}_count`` (summed), and a count cannot overwrite a part of the same name."""
 
     total: torch.Tensor  # () the weighted sum the backward starts from
     parts: dict[str, torch.Tensor]  # () each term's unweighted value
     counts: dict[str, torch.Tensor]  # () e.g. luse's false_negatives: candidates it masked
 
-    def as_dict(self) -> dict[str, torch.Tensor]:
-        """``{"loss": total, **parts, **counts}``: the per-micro-batch record the step logs."""
-        return {"loss": self.total, **self.parts, **self.counts}
+    def detach(self) -> LossOut:
+        """The same values cut from the graph (what a step keeps of each micro-batch)."""
+        return LossOut(
+            self.total.detach(),
+            {k: v.detach() for k, v in self.parts.items()},
+            {k: v.detach() for k, v in self.counts.items()},
+        )
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from pipeline.data.token_ids import (
     tokenizer_hash,
 )
 from pipeline.errors import ConfigError, InputError
-from pipeline.shards import read_shard, write_shard
+from pipeline.shards import holds_pairs, read_shard, write_shard
 from pipeline.stages.runner import Execution, Report, ShardJob, ShardStage, ShardWork, read_input
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ def tokenize_shard(job: ShardJob, encoder: IdEncoder, report: Report) -> dict[st
 def run(cfg: Config) -> int:
     reads = "tokenize reads the output of `augment`, `teacher` or `preprocess`"
     in_manifest = read_input(cfg, "tokenize", ("preprocess", "augment", "teacher"), reads)
-    if in_manifest.get("input_stage") == "pairs":  # it would store ids of the anchors alone
+    if holds_pairs(in_manifest):  # it would store ids of the anchors alone
         raise InputError(
             f"{cfg.shards} holds pair shards (`pipeline pairs`); tokenize stores the ids of sentence shards "
             "only: train on the pair shards as they are (their texts are tokenised in the loader)"

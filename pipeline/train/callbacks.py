@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pipeline.data.collate import Batch
 from pipeline.losses.terms import LossOut
 from pipeline.train.guard import StepCheck
 
@@ -19,10 +20,10 @@ class Callbacks:
 
     defer_verdicts: bool = True  # False: the guard's verdict is read at every step, never deferred
 
-    def on_batch(self, t: Any, batch: Any) -> None:
+    def on_batch(self, t: Any, batch: Batch) -> None:
         """Each batch before its step (tests record the sample ids or poison a batch with it)."""
 
-    def on_loss(self, t: Any, batch: Any, out: LossOut) -> LossOut:
+    def on_loss(self, t: Any, batch: Batch, out: LossOut) -> LossOut:
         """One micro-batch's loss before its backward: what is returned is backpropagated."""
         return out
 
@@ -38,14 +39,14 @@ class Callbacks:
 class OnBatch(Callbacks):
     """A function ``on_batch(trainer, batch)`` as callbacks."""
 
-    def __init__(self, on_batch: Callable[[Any, Any], None]):
+    def __init__(self, on_batch: Callable[[Any, Batch], None]):
         self.function = on_batch
 
-    def on_batch(self, t: Any, batch: Any) -> None:
+    def on_batch(self, t: Any, batch: Batch) -> None:
         self.function(t, batch)
 
 
-def as_callbacks(hooks: Callbacks | Callable[[Any, Any], None] | None) -> Callbacks:
+def as_callbacks(hooks: Callbacks | Callable[[Any, Batch], None] | None) -> Callbacks:
     """Callbacks as given, a function as ``on_batch``, None as the defaults."""
     if hooks is None:
         return Callbacks()

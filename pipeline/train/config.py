@@ -336,7 +336,7 @@ class TrainConfig:
         "BERT encoders: batches of flat tokens without padding (cu_seqlens, max_seqlen, position ids), the "
         "encoder run on the real tokens only (varlen flash attention on a GPU in fp16/bf16, a padded SDPA "
         "reference elsewhere); the same weights. Not with the mlm term, a momentum encoder or GradCache "
-        "(docs/training.md, \"Unpadded, static and compiled steps\").",
+        '(docs/training.md, "Unpadded, static and compiled steps").',
     )
     pad_to_multiple_of: int = option(
         0,
@@ -428,8 +428,9 @@ class Config:
     LEGACY: ClassVar[dict[str, Legacy]] = {"objective": Legacy(LegacyObjective, read_objective)}
 
     def __post_init__(self) -> None:
-        loss = self.terms()  # checks every term's fields
+        loss = build_loss(self.loss)  # checks every term's fields: the one parse of the list
         self.loss = as_entries(loss.terms)  # every field resolved: config.yaml records the recipe
+        self._parsed = (self.loss, loss)  # not a field: terms() hands it out (the plan, build, the loop)
         d, t = self.data, self.train
         if loss.unsupervised and d.shards is None:
             raise ConfigError("loss: its terms read shards: set --data.shards to an augmented shard dir")
@@ -473,8 +474,17 @@ class Config:
             )
 
     def terms(self) -> Loss:
-        """The loss's weighted terms, parsed from ``loss``."""
-        return build_loss(self.loss)
+        """The loss's weighted terms: parsed once when the config is made (again only if ``loss`` is
+        replaced afterwards). A :class:`Loss` holds nothing that changes, so every reader shares it."""
+        entries, loss = self.__dict__.get("_parsed", (None, None))
+        if entries is not self.loss:
+            loss = build_loss(self.loss)
+            self._parsed = (self.loss, loss)
+        return loss
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields alone (a parsed loss holds functions; it is parsed again on first use)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_parsed"}
 
     def num_views(self) -> int:
         """Views per sentence n: luse 1 + k + d, simcse 2, the supervised ones their texts, else 1."""

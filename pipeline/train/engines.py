@@ -15,23 +15,18 @@ from typing import Any
 import torch
 
 from pipeline.data.collate import Batch
+from pipeline.losses.terms import LossOut
 from pipeline.train.build import Trainer
 from pipeline.train.gradcache import chunked_forward_backward
 from pipeline.train.guard import DeviceCheck, StepCheck, device_verdict, grad_norm, step_verdict
 
 
-def compute_objective(
-    t: Trainer, encoded: torch.Tensor | tuple[torch.Tensor, torch.Tensor], batch: Batch
-) -> dict[str, torch.Tensor]:
-    """The loss's weighted total ``loss`` and each term's value over one micro-batch (the run's built
-    :class:`~pipeline.losses.terms.TrainLoss`: the terms lend their state, a queue, themselves), as the
-    hooks leave it (``Callbacks.on_loss``).
-
-    ``encoded`` is what the model's forward returned: the rows (N, H), or (rows, MLM logits (B, L, V))
-    when the model has an MLM head.
-    """
-    batch = Batch.of(batch)
-    return t.callbacks.on_loss(t, batch, t.loss(encoded, batch, t.module.head)).as_dict()
+def term_loss(t: Trainer, encoded: torch.Tensor | tuple[torch.Tensor, torch.Tensor], mb: Batch) -> LossOut:
+    """The loss over one micro-batch (the run's built :class:`~pipeline.losses.terms.TrainLoss`: the
+    weighted total, each term's value and the counts terms report), as the hooks leave it
+    (``Callbacks.on_loss``). ``encoded`` is what the model's forward returned: the rows (N, H), or
+    (rows, MLM logits (B, L, V)) when the model has an MLM head."""
+    return t.callbacks.on_loss(t, mb, t.loss(encoded, mb, t.module.head))
 
 
 def forward(t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch) -> Any:
@@ -39,12 +34,12 @@ def forward(t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch) -> Any:
     of the masked originals (in the same forward, so DDP sees each parameter used once per step)."""
     if t.module.mlm_head is None:
         return t.model(**inputs)
-    return t.model(**inputs, mlm_input_ids=mb["mlm_input_ids"].to(t.accelerator.device, non_blocking=True))
+    return t.model(**inputs, mlm_input_ids=mb.mlm_input_ids.to(t.accelerator.device, non_blocking=True))
 
 
-def micro_batches(batch: Batch | dict[str, Any], parts: int) -> list[Batch]:
+def micro_batches(batch: Batch, parts: int) -> list[Batch]:
     """A rank's batch as ``parts`` micro-batches of whole sentences (:meth:`Batch.split`)."""
-    return Batch.of(batch).split(parts)
+    return batch.split(parts)
 
 
 def guarded(t: Trainer) -> bool:
@@ -107,7 +102,7 @@ def optimizer_step(t: Trainer, skip: torch.Tensor | None) -> None:
 class StepResult:
     """What every engine (:class:`Engine`) returns: the same small record for each."""
 
-    parts: list[dict[str, torch.Tensor]]  # each micro-batch's detached loss parts (``loss`` the total)
+    parts: list[LossOut]  # each micro-batch's loss, detached
     rows: torch.Tensor  # (N, H) the last micro-batch's encoded rows: n views, then m hard negatives
     last: Batch  # the last micro-batch
     check: StepCheck | None = None  # the guard's verdict, read on the host (None: no guard)
@@ -147,7 +142,7 @@ def judge_and_step(t: Trainer, result: StepResult, guard: GuardPolicy) -> None:
         norm = t.accelerator.clip_grad_norm_(t.model.parameters(), cfg.optim.grad_clip)
     if guard.judges:
         norm = grad_norm(t.model.parameters()) if norm is None else norm
-        step_loss = torch.stack([p["loss"] for p in result.parts]).mean()
+        step_loss = torch.stack([p.total for p in result.parts]).mean()
         if guard.defers:
             result.verdict = device_verdict(step_loss, norm)  # no sync: read at the next log step
         else:
@@ -173,7 +168,7 @@ class Engine:
             inputs = mb.inputs(acc.device)
             with acc.accumulate(t.model):
                 part, rows, check = self.forward_backward(t, inputs, mb, guard)
-                parts = [*(result.parts if result else []), {k: v.detach() for k, v in part.items()}]
+                parts = [*(result.parts if result else []), part.detach()]
                 result = StepResult(parts, rows, mb, check)
                 if acc.sync_gradients:
                     self.step(t, result, guard)
@@ -187,12 +182,12 @@ class Engine:
 
     def forward_backward(
         self, t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch, guard: GuardPolicy
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, StepCheck | None]:
+    ) -> tuple[LossOut, torch.Tensor, StepCheck | None]:
         """One micro-batch: its loss parts, its rows (N, H), and the verdict where the backward steps too."""
         encoded = forward(t, inputs, mb)
-        out = t.callbacks.on_loss(t, mb, t.loss(encoded, mb, t.module.head))  # the terms: LossOut
+        out = term_loss(t, encoded, mb)
         t.accelerator.backward(out.total)
-        return out.as_dict(), encoded[0] if isinstance(encoded, tuple) else encoded, None
+        return out, encoded[0] if isinstance(encoded, tuple) else encoded, None
 
     def step(self, t: Trainer, result: StepResult, guard: GuardPolicy) -> None:
         """After the last micro-batch's backward: clip, judge, step (:func:`judge_and_step`)."""
@@ -208,10 +203,10 @@ class GradCacheEngine(Engine):
 
     def forward_backward(
         self, t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch, guard: GuardPolicy
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, StepCheck | None]:
+    ) -> tuple[LossOut, torch.Tensor, StepCheck | None]:
         part, rows = chunked_forward_backward(
             t.model, t.accelerator.backward, inputs, t.cfg.train.gradcache_chunk_size,
-            lambda rows: compute_objective(t, rows, mb),
+            lambda rows: term_loss(t, rows, mb),
         )  # fmt: skip
         return part, rows, None
 
@@ -223,15 +218,15 @@ class DeepSpeedEngine(Engine):
 
     def forward_backward(
         self, t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch, guard: GuardPolicy
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, StepCheck | None]:
+    ) -> tuple[LossOut, torch.Tensor, StepCheck | None]:
         encoded = forward(t, inputs, mb)
-        out = t.callbacks.on_loss(t, mb, t.loss(encoded, mb, t.module.head))  # the terms: LossOut
+        out = term_loss(t, encoded, mb)
         check = None
         if guard.judges:
             check = judged_engine_step(t, out.total)
         else:
             t.accelerator.backward(out.total)  # the engine's backward, and its step at the last micro-batch
-        return out.as_dict(), encoded[0] if isinstance(encoded, tuple) else encoded, check
+        return out, encoded[0] if isinstance(encoded, tuple) else encoded, check
 
     def step(self, t: Trainer, result: StepResult, guard: GuardPolicy) -> None:
         """Nothing: the engine stepped inside its backward."""

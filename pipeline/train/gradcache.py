@@ -16,9 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from pipeline.losses.terms import LossOut
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -37,15 +41,15 @@ def chunked_forward_backward(
     backward: Callable[[torch.Tensor], None],
     inputs: dict[str, torch.Tensor],
     size: int,
-    loss_fn: Callable[[torch.Tensor], dict[str, torch.Tensor]],
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    loss_fn: Callable[[torch.Tensor], LossOut],
+) -> tuple[LossOut, torch.Tensor]:
     """Loss and gradients of one batch encoded in chunks of ``size`` rows (train.gradcache_chunk_size).
 
     ``model`` is what ``accelerator.prepare`` returned (under DDP its ``no_sync`` skips the all-reduce
     of every chunk but the last); ``backward`` is ``accelerator.backward`` (fp16 loss scaling).
-    ``loss_fn`` maps the encoded rows (N, H) to the objective's parts (``loss`` is the total), e.g.
-    ``lambda rows: compute_objective(t, rows, batch)``; every row of the batch (views and hard
-    negatives alike) is cached. Returns the detached parts and the detached (N, H) rows. Gradients end
+    ``loss_fn`` maps the encoded rows (N, H) to the loss (a :class:`~pipeline.losses.terms.LossOut`), e.g.
+    ``lambda rows: term_loss(t, rows, batch)``; every row of the batch (views and hard negatives alike) is
+    cached. Returns the detached loss and the detached (N, H) rows. Gradients end
     up in the model's parameters exactly as one full-batch forward/backward would put them (same
     dropout masks).
     """
@@ -59,8 +63,8 @@ def chunked_forward_backward(
             outs.append(model(input_ids=inputs["input_ids"][c], attention_mask=inputs["attention_mask"][c]))
     after = _rng_state(device)
     cached = torch.cat(outs).detach().requires_grad_()  # (N, H), a leaf: its .grad is the cache
-    parts = loss_fn(cached)
-    backward(parts["loss"])  # loss -> embeddings only (plus any collective inside the loss), fp16-scaled
+    loss = loss_fn(cached)
+    backward(loss.total)  # loss -> embeddings only (plus any collective inside the loss), fp16-scaled
     for i, c in enumerate(chunks):
         _set_rng_state(states[i], device)
         # all-reduce gradients once, after the last chunk (DDP), not after every chunk
@@ -72,4 +76,4 @@ def chunked_forward_backward(
             )  # (n_c, H)
             out.backward(cached.grad[c].to(out.dtype))
     _set_rng_state(after, device)
-    return {k: v.detach() for k, v in parts.items()}, cached.detach()
+    return loss.detach(), cached.detach()

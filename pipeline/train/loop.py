@@ -36,7 +36,6 @@ from pipeline.train.checkpointing import RunCheckpoints, finish
 from pipeline.train.engines import (
     StepResult,
     backward_and_step,
-    compute_objective,
     guard_policy,
     micro_batches,
 )
@@ -45,7 +44,7 @@ from pipeline.train.guard import DeviceCheck
 from pipeline.train.metrics import Throughput, alignment_uniformity
 from pipeline.train.signals import EXIT_CODE_PREEMPTED
 
-__all__ = ["compute_objective", "train", "train_step"]  # compute_objective: from here as before
+__all__ = ["train", "train_step"]
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +73,12 @@ def step_record(t: Trainer, result: StepResult) -> dict[str, Any]:
     rows, mb, parts = result.rows, result.last, result.parts
     n, b = mb.num_views, rows.shape[0] // mb.rows_per_sentence
     out: dict[str, Any] = {"embeddings": rows[: n * b].detach().view(n, b, -1)}  # (n, B, H), last micro-batch
-    out["loss"] = torch.stack([p["loss"] for p in parts]).mean()
-    term_parts = t.loss.parts
-    for key in parts[0].keys() - {"loss"}:
-        values = torch.stack([p[key] for p in parts])
-        if key not in term_parts:  # a count a term reports (luse's false_negatives), over micro-batches
-            out[f"{key}_count"] = values.sum()
-        elif len(term_parts) > 1:  # more than one term: log each (contrastive, distill, kl, mlm)
-            out[f"{key}_loss"] = values.mean()
+    out["loss"] = torch.stack([p.total for p in parts]).mean()
+    if len(parts[0].parts) > 1:  # more than one term: log each (contrastive, distill, kl, mlm)
+        for key in parts[0].parts:
+            out[f"{key}_loss"] = torch.stack([p.parts[key] for p in parts]).mean()
+    for key in parts[0].counts:  # a count a term reports (luse's false_negatives), over micro-batches
+        out[f"{key}_count"] = torch.stack([p.counts[key] for p in parts]).sum()
     if result.check is not None:
         out["check"] = result.check
     if result.verdict is not None:

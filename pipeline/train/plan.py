@@ -40,7 +40,7 @@ class DataPlan:
     shard_set: ShardSet | None = field(default=None, repr=False)  # the manifest it was resolved against
     num_variants: int = 0  # k: cached EDA variants after each original (at most what the shards cache)
     num_dropout_views: int = 0  # d: dropout re-encodings of the original after the variants
-    teacher: bool = False  # batches carry batch["teacher"] (pair batches: teacher_positive too)
+    teacher: bool = False  # batches carry batch.teacher (pair batches: teacher_positive too)
     teacher_dim: int | None = None  # the teacher's width, from the manifest (None: the shards hold none)
     token_ids: bool = False  # pad the shards' stored token ids (their tokenizer hash is the model's)
     text_hashes: bool = False  # batches carry text hashes (a same_text false-negative rule reads them)

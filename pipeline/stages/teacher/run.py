@@ -39,7 +39,7 @@ import pyarrow as pa
 
 from pipeline.config import option
 from pipeline.errors import ConfigError, InputError
-from pipeline.shards import MANIFEST, read_shard, write_shard
+from pipeline.shards import MANIFEST, holds_pairs, read_shard, write_shard
 from pipeline.stages.runner import Execution, Report, ShardJob, ShardStage, ShardWork, read_input
 from pipeline.stages.teacher.consistency import pair_scores
 from pipeline.stages.teacher.identity import matches, model_hash, stored_dtype
@@ -362,11 +362,17 @@ def layout(cfg: Config) -> tuple[Path, Path]:
     return (work / ENCODED, work / ENCODED) if cfg.hard_negatives else (cfg.out, work)
 
 
+def encodes_pairs(in_manifest: dict[str, Any]) -> bool:
+    """Whether this run encodes pairs: its input holds pairs (:func:`pipeline.shards.holds_pairs`) and is
+    not a teacher output, which a conversion copies as it was."""
+    return in_manifest.get("stage") != "teacher" and holds_pairs(in_manifest)
+
+
 def finish(cfg: Config, in_manifest: dict[str, Any], records: list[dict[str, Any]]) -> tuple[list, dict]:
     """The counts and what the input was; with ``--hard-negatives``, mines them over the encoded shards
     and writes the final shards (the manifest's entries are then theirs)."""
     counts: dict[str, Any] = {"sentences": 0, "variants_encoded": 0}
-    if in_manifest.get("stage") == "pairs":
+    if encodes_pairs(in_manifest):
         counts.update(positives_encoded=0, pairs_kept=0, pairs_dropped_consistency=0, pairs_by_source={})
     for r in records:
         for key in counts:
@@ -378,13 +384,13 @@ def finish(cfg: Config, in_manifest: dict[str, Any], records: list[dict[str, Any
             else:
                 counts[key] += r["counts"][key]
     extra: dict[str, Any] = {"counts": counts, "input_config": in_manifest.get("config", {})}
-    if in_manifest.get("stage") == "pairs":
+    if encodes_pairs(in_manifest):
         extra["input_stage"] = "pairs"
         extra["pair_filter"] = {"k": cfg.pair_top_k, "pool": cfg.pair_pool, "rule": "teacher/consistency.py"}
     entries = [r["entry"] for r in records]
     if in_manifest.get("stage") == "teacher":  # a conversion: the input's negatives, as they were
         extra["input_stage"] = "teacher"
-        if in_manifest.get("input_stage") == "pairs":  # still pair shards: training must read them so
+        if holds_pairs(in_manifest):  # still pair shards: training must read them so
             extra["input_stage"] = "pairs"
             extra["pair_filter"] = in_manifest.get("pair_filter")
         if "hard_negatives" in in_manifest:
@@ -434,7 +440,8 @@ def run(cfg: Config) -> int:
     )
     in_manifest = read_input(cfg, "teacher", ("augment", "preprocess", "pairs", "teacher"), reads)
     stage = in_manifest["stage"]
-    if stage == "pairs" and (cfg.variants or cfg.hard_negatives):
+    pairs = encodes_pairs(in_manifest)
+    if pairs and (cfg.variants or cfg.hard_negatives):
         raise ConfigError(
             f"--variants/--hard-negatives: {cfg.shards} holds pairs (stage pairs); their negatives are the "
             "other pairs of a batch, so leave both off"
@@ -446,7 +453,7 @@ def run(cfg: Config) -> int:
         work: ShardWork = ConvertWork(cfg)
         record = conversion_record(cfg, in_manifest)
     else:
-        work = EncodeWork(cfg, device, progress_per_sentence=2 if stage == "pairs" else 1)
+        work = EncodeWork(cfg, device, progress_per_sentence=2 if pairs else 1)
         work.loaded = load_teacher(cfg, device)  # for the record; the shards use it if they run here
         record = teacher_record(cfg, work.loaded, precision_for(device, cfg.bf16))
     shard_dir, record_dir = layout(cfg)
