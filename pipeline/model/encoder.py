@@ -286,8 +286,6 @@ class SentenceEncoder(nn.Module):
             return truncate_normalise(np.zeros((0, self.dim), dtype=np.float32), truncate_dim)
         tokens = self.tokenize(texts, pad=False)
         keys = list(tokens.keys())
-        pad_values = {k: (self.tokenizer.pad_token_id or 0) if k == "input_ids" else 0 for k in keys}
-        left = getattr(self.tokenizer, "padding_side", "right") == "left"
         lengths = np.asarray([len(ids) for ids in tokens["input_ids"]], dtype=np.int64)
         order = np.argsort(-lengths, kind="stable")
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
@@ -297,17 +295,9 @@ class SentenceEncoder(nn.Module):
         with autocast:
             for start in progress_bars.bar(iterable=batches, desc=desc, disable=not progress, unit="batch"):
                 idx = order[start : start + batch_size]
-                width = int(lengths[idx[0]])  # the longest of the batch: sorted longest first
-                batch = {}
-                for k in keys:  # padded as the tokenizer pads (its side, its pad id; 0 in the mask)
-                    rows = np.full((len(idx), width), pad_values[k], dtype=np.int64)  # (b, L)
-                    for row, i in enumerate(idx):
-                        values = tokens[k][i]
-                        if left:
-                            rows[row, width - len(values) :] = values
-                        else:
-                            rows[row, : len(values)] = values
-                    batch[k] = torch.from_numpy(rows).to(device)
+                rows = {k: [tokens[k][i] for i in idx] for k in keys}
+                batch = self.tokenizer.pad(rows, return_tensors="pt")  # as the tokenizer pads: side, pad id
+                batch = {k: v.to(device) for k, v in batch.items()}
                 emb = self(**batch).float()  # (b, dim)
                 if bf16 or reduced:
                     emb = F.normalize(emb, dim=-1)  # renormalised after reduced-precision compute
