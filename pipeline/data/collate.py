@@ -244,6 +244,12 @@ def token_layout(collate: Any, pad_id: int, max_length: int, train: Any) -> Any:
     return TokenLayout(collate, pad_id, max_length, train.unpadded, train.pad_to_multiple_of)
 
 
+def teacher_rows(vectors: Any) -> torch.Tensor:
+    """The teacher column as (B, D) float32: the loader's (rows, D) array taken as it is (no second copy),
+    or a list of (D,) rows stacked."""
+    return torch.from_numpy(np.asarray(vectors, dtype=np.float32))
+
+
 def text_hashes(texts: Sequence[Any]) -> torch.Tensor:
     """(B,) int64: the first 8 bytes of blake2b of each normalised text, little-endian, as a signed int.
 
@@ -357,7 +363,7 @@ class ViewCollator:
             attention_mask=mask,  # ((n + m) * B, L)
             num_views=1 + self.k + self.d,
             num_hard_negatives=self.m,
-            teacher=torch.from_numpy(np.stack(rows["teacher"])) if self.teacher else None,  # (B, D) float32
+            teacher=teacher_rows(rows["teacher"]) if self.teacher else None,  # (B, D) float32
             text_hashes=text_hashes(texts) if self.hash_texts else None,  # (B,) int64, in the loader workers
         )
 
@@ -468,8 +474,8 @@ class PairShardCollator:
             "num_views": 2 + self.d,
         }
         if self.teacher:
-            out["teacher"] = torch.from_numpy(np.stack(rows["teacher"]))  # (B, D) float32
-            out["teacher_positive"] = torch.from_numpy(np.stack(rows["teacher_positive"]))  # (B, D)
+            out["teacher"] = teacher_rows(rows["teacher"])  # (B, D) float32
+            out["teacher_positive"] = teacher_rows(rows["teacher_positive"])  # (B, D)
         if self.hash_texts:
             out["text_hashes"] = text_hashes(anchors)  # (B,) int64
             out["positive_text_hashes"] = text_hashes(positives)  # (B,) int64
