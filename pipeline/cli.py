@@ -35,6 +35,9 @@ COMMANDS: dict[str, Command] = {
         "pipeline.stages.preprocess.run", "raw corpus -> deduplicated, shuffled shards", "inputs"
     ),
     "pairs": Command("pipeline.stages.pairs.run", "raw corpus -> shards of the pairs records give", "inputs"),
+    "decontaminate": Command(
+        "pipeline.stages.decontaminate", "pair/triple file -> the same without eval-set sentences", "input"
+    ),
     "augment": Command("pipeline.stages.augment.run", "shards -> shards with cached EDA variants"),
     "teacher": Command(
         "pipeline.stages.teacher.run", "shards -> shards with teacher embeddings (+ mined hard negatives)"
