@@ -23,6 +23,7 @@ from torch import nn
 from pipeline import distributed as dist
 from pipeline.config import from_dict, to_dict
 from pipeline.data.collate import MLMCollator, PairCollator, PairShardCollator, ViewCollator, token_layout
+from pipeline.data.labelled import memory_columns
 from pipeline.data.pairs import read_records
 from pipeline.data.sources import pair_order
 from pipeline.data.stream import BatchStream, MemorySource, ShardSource, index_shards
@@ -376,15 +377,11 @@ def build_stream(
         source = ShardSource(blocks, collate.columns)
         if plan.mlm_probability is not None:  # masks drawn in the loader workers, from the data cursor
             collate = MLMCollator(collate, tokenizer, t.seed, plan.mlm_probability)
-    else:
-        records = read_records(d.supervised_file, plan.source)
-        n_text, label_dtype = plan.num_texts, plan.label_dtype
-        columns = {f"text{i}": [r[i] for r in records] for i in range(n_text)}
-        columns["index"] = list(range(len(records)))
-        if label_dtype is not None:
-            columns["label"] = [r[-1] for r in records]
-        text_columns = [f"text{i}" for i in range(n_text)]
-        collate = PairCollator(tokenizer, d.max_length, text_columns, label_dtype, prefix)
+    else:  # a supervised file (and its teacher vectors: pipeline/data/labelled.py)
+        labels = plan.label_dtype is not None
+        columns = memory_columns(d.supervised_file, plan.source, plan.num_texts, labels, plan.pair_teacher)
+        text_columns = [f"text{i}" for i in range(plan.num_texts)]
+        collate = PairCollator(tokenizer, d.max_length, text_columns, plan.label_dtype, prefix, plan.teacher)
         source = MemorySource(columns, text_columns)
     collate = token_layout(collate, tokenizer.pad_token_id, d.max_length, t)  # unpadded / bucketed widths
     window = d.bucket_window if d.length_bucketing else 0

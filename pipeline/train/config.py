@@ -40,7 +40,12 @@ def resolve_path(path: Path) -> Path:
 
 
 # The file fields each section resolves when it is made (its __post_init__), as (section, field).
-FILE_FIELDS = (("data", "supervised_file"), ("model", "scratch_config"), ("train", "deepspeed_config"))
+FILE_FIELDS = (
+    ("data", "supervised_file"),
+    ("data", "supervised_teacher"),
+    ("model", "scratch_config"),
+    ("train", "deepspeed_config"),
+)
 
 
 def resolve_saved_paths(saved: dict[str, Any]) -> dict[str, Any]:
@@ -71,7 +76,15 @@ class DataConfig:
     )
     prefetch_factor: int = option(4, "Batches each loader worker prepares ahead.")
     supervised_file: Path | None = option(
-        None, "TSV/JSONL pair or triple file for sup_simcse, cosent and sbert (e.g. STS-B.train.tsv)."
+        None,
+        "TSV/JSONL pair or triple file for sup_simcse, cosent and sbert, never a split of the scored sets "
+        "(`python -m pipeline decontaminate` filters one: docs/objectives.md, 'Labelled pairs').",
+    )
+    supervised_teacher: Path | None = option(
+        None,
+        "The teacher's vectors of data.supervised_file's first two texts (`python -m pipeline teacher "
+        "--pairs_file FILE --out DIR --model TEACHER`); set: batches carry them and a distill (or kl) term "
+        "may train beside the supervised term (docs/objectives.md, 'Labels beside distillation').",
     )
     verify_shards: bool = option(
         True,
@@ -116,6 +129,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.supervised_file is not None:
             self.supervised_file = resolve_path(self.supervised_file)
+        if self.supervised_teacher is not None:
+            self.supervised_teacher = resolve_path(self.supervised_teacher)
         if self.source_alpha < 0 or self.pair_max_rank < 0:
             raise ConfigError("data.source_alpha and data.pair_max_rank must be >= 0")
         if self.num_variants < 0:
@@ -446,12 +461,23 @@ class Config:
                 f"{loss.main.name} needs at least one positive: set data.num_variants or num_dropout_views "
                 ">= 1 (or luse.teacher_positive; for distillation alone the loss is one distill term)"
             )
-        if not loss.unsupervised and (
-            loss.reads(TEACHER) or d.teacher is not None or d.num_hard_negatives or loss.reads(MLM_LOGITS)
-        ):
+        if not loss.unsupervised and (d.num_hard_negatives or loss.reads(MLM_LOGITS)):
             raise ConfigError(
-                f"loss term {loss.main.name} reads a pair file; data.teacher/num_hard_negatives and the "
-                "distill, kl and mlm terms read the shards: unset them, or use luse or simcse"
+                f"loss term {loss.main.name} reads a pair file; data.num_hard_negatives and the mlm term "
+                "read the shards: unset them, or use luse or simcse"
+            )
+        teacher_read = loss.reads(TEACHER) or d.teacher is not None
+        if not loss.unsupervised and teacher_read and d.supervised_teacher is None:
+            raise ConfigError(
+                f"loss term {loss.main.name} reads a pair file without teacher vectors; data.teacher and "
+                "the distill and kl terms need them: set data.supervised_teacher to the file's (`python -m "
+                "pipeline teacher --pairs_file FILE --out DIR --model TEACHER`), unset them, or use luse or "
+                "simcse"
+            )
+        if d.supervised_teacher is not None and (loss.unsupervised or not loss.reads(TEACHER)):
+            raise ConfigError(
+                "data.supervised_teacher holds the teacher vectors of data.supervised_file for a distill or "
+                "kl term beside a supervised term (cosent, sbert, sup_simcse); add both terms or unset it"
             )
         if d.num_hard_negatives and not loss.reads(HARD_NEGATIVES):
             raise ConfigError(

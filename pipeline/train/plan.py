@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pipeline.data.labelled import PairTeacher, check_pair_teacher
 from pipeline.data.sources import pair_batches, pair_dropout_views, refuse_pair_options
 from pipeline.data.token_ids import ids_usable
 from pipeline.errors import ConfigError
@@ -52,6 +53,7 @@ class DataPlan:
     # A supervised file (source "pairs" or "triples"): its texts per record and its labels' dtype.
     num_texts: int = 0
     label_dtype: Any = None  # torch.dtype of the label column; None: the batches carry no labels
+    pair_teacher: PairTeacher | None = None  # its teacher vectors (data.supervised_teacher): teacher is True
 
     @property
     def num_views(self) -> int:
@@ -82,7 +84,10 @@ def check_against_data(
     if shard_set is None:
         refuse_pair_options(d, False)
         labels = loss.main.label_dtype if loss.main is not None else None  # the supervised file's term
-        return DataPlan(source=loss.data, num_texts=loss.num_views(0, 0), label_dtype=labels)
+        vectors = check_pair_teacher(d) if d.supervised_teacher is not None else None  # its teacher's
+        width = None if vectors is None else vectors.dim
+        return DataPlan(source=loss.data, num_texts=loss.num_views(0, 0), label_dtype=labels,
+                        teacher=vectors is not None, teacher_dim=width, pair_teacher=vectors)  # fmt: skip
     pairs = pair_batches(loss, shard_set)  # pair shards vs the loss (pipeline/data/sources.py)
     variants = loss.main is not None and loss.main.uses_variants and not pairs  # pairs: no variants
     if variants and d.num_variants > shard_set.num_variants:
