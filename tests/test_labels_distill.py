@@ -152,3 +152,26 @@ def test_mistakes_are_one_line_naming_the_field(tmp_path, pairs_file, vectors_di
         build(labels_config(tmp_path, pairs_file, vectors_dir, **{"data.teacher": "e5-small"}))
     with pytest.raises(ConfigError, match="supervised_teacher: .*manifest.json does not exist"):
         build(labels_config(tmp_path, pairs_file, tmp_path))
+
+
+def test_data_holdout_rows_keeps_the_last_records_out_with_their_teacher_rows(
+    tmp_path, pairs_file, vectors_dir
+):
+    """train.select_on: sts_b+teacher on a labelled file: its last records, both texts, never in a batch."""
+    from pipeline.data.labelled import read_pair_teacher
+    from pipeline.train.build import build
+
+    over = {"data.holdout_rows": 8, "train.select_on": "sts_b+teacher"}
+    t = build(labels_config(tmp_path, pairs_file, vectors_dir, **over))
+    try:
+        rows = [line.split("\t") for line in pairs_file.read_text(encoding="utf-8").splitlines()]
+        first, second = read_pair_teacher(vectors_dir, pairs_file).vectors()
+        assert t.stream.num_items == N_PAIRS - 8
+        assert t.holdout.texts == [r[0] for r in rows[-8:]] + [r[1] for r in rows[-8:]]
+        np.testing.assert_array_equal(t.holdout.teacher, np.concatenate([first[-8:], second[-8:]]))
+        batches = iter(t.stream)
+        seen = {i for _ in range(2 * t.stream.batches_per_epoch) for i in next(batches).ids.tolist()}
+        # 40 records, batches of 16: 32 a shuffled epoch; never one of the last 8
+        assert len(seen) >= 32 and seen <= set(range(N_PAIRS - 8))
+    finally:
+        t.close()

@@ -128,20 +128,27 @@ def check_pair_teacher(d: DataConfig) -> PairTeacher:
 
 
 def memory_columns(
-    pairs_file: Path, source: str, num_texts: int, labels: bool, teacher: PairTeacher | None
+    pairs_file: Path, source: str, num_texts: int, labels: bool, teacher: PairTeacher | None, holdout: int = 0
 ) -> dict[str, Any]:
     """The in-memory columns of a supervised file: ``text0..``, ``index``, ``label`` (when the term reads
-    labels) and, with its teacher vectors, ``teacher`` and ``teacher_positive`` ((N, D) float32 arrays)."""
+    labels) and, with its teacher vectors, ``teacher`` and ``teacher_positive`` ((N, D) float32 arrays).
+    The last ``holdout`` records (``data.holdout_rows``, pipeline/data/holdout.py) are left out."""
     records = read_records(pairs_file, source)
-    columns: dict[str, Any] = {f"text{i}": [r[i] for r in records] for i in range(num_texts)}
-    columns["index"] = list(range(len(records)))
+    if holdout >= len(records):
+        raise ConfigError(
+            f"data.holdout_rows={holdout} but {pairs_file} holds {len(records)} records; hold fewer out"
+        )
+    kept = len(records) - holdout
+    columns: dict[str, Any] = {f"text{i}": [r[i] for r in records[:kept]] for i in range(num_texts)}
+    columns["index"] = list(range(kept))
     if labels:
-        columns["label"] = [r[-1] for r in records]
+        columns["label"] = [r[-1] for r in records[:kept]]
     if teacher is not None:
         if teacher.rows != len(records):  # the sha256 matched, so only a reader change could do this
             raise InputError(
                 f"{teacher.directory} holds {teacher.rows} rows but {pairs_file} reads as {len(records)} "
                 f"records; encode it again with `{encode_command(pairs_file)}`"
             )
-        columns["teacher"], columns["teacher_positive"] = teacher.vectors()
+        first, second = teacher.vectors()
+        columns["teacher"], columns["teacher_positive"] = first[:kept], second[:kept]
     return columns

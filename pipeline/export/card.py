@@ -628,7 +628,7 @@ def model_card(inp: CardInputs) -> str:
     else:
         lines.append("No training configuration was found beside the checkpoint.\n")
     selected = final_model_event(inp.resolved)
-    if selected and selected.get("initial_weights"):
+    if selected and selected.get("initial_weights") and selected.get("sts_b_valid_spearman") is not None:
         lines.append(
             "**No training step beat the initial model** on STS-B valid "
             f"({selected['sts_b_valid_spearman']:.2f} at step 0): these are the initial weights.\n"

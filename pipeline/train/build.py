@@ -23,6 +23,7 @@ from torch import nn
 from pipeline import distributed as dist
 from pipeline.config import from_dict, to_dict
 from pipeline.data.collate import MLMCollator, PairCollator, PairShardCollator, ViewCollator, token_layout
+from pipeline.data.holdout import HeldOut, read_holdout, split_blocks
 from pipeline.data.labelled import memory_columns
 from pipeline.data.pairs import read_records
 from pipeline.data.sources import pair_order
@@ -95,6 +96,7 @@ class Trainer:
     checkpointer: Checkpointer | None = None
     preemption: PreemptionHandler | None = None
     sts_valid: PairSet | None = None  # rank 0 only: the STS-B valid pairs scored by evaluate()
+    holdout: HeldOut | None = None  # rank 0 only: data.holdout_rows's rows, for the teacher agreement
     callbacks: Callbacks = field(default_factory=Callbacks)  # hooks into the run (train() sets them)
     engine: Any = None  # the step's engine (pipeline/train/engines.py), chosen once by train()
     guard: Any = None  # the guard's part in each step (engines.GuardPolicy), decided once by train()
@@ -370,6 +372,7 @@ def build_stream(
         order = pair_order(d, plan.shard_set, blocks)
     elif plan.shard_set is not None:
         blocks = shard_blocks(plan.shard_set, d.verify_shards, rank)
+        blocks, _ = split_blocks(blocks, d.holdout_rows, d.shards)  # data.holdout_rows: never in a batch
         collate = ViewCollator(
             tokenizer, d.max_length, plan.num_variants, plan.num_dropout_views, prefix, plan.teacher,
             plan.num_hard_negatives, plan.token_ids, plan.text_hashes,
@@ -379,7 +382,8 @@ def build_stream(
             collate = MLMCollator(collate, tokenizer, t.seed, plan.mlm_probability)
     else:  # a supervised file (and its teacher vectors: pipeline/data/labelled.py)
         labels = plan.label_dtype is not None
-        columns = memory_columns(d.supervised_file, plan.source, plan.num_texts, labels, plan.pair_teacher)
+        columns = memory_columns(d.supervised_file, plan.source, plan.num_texts, labels, plan.pair_teacher,
+                                 d.holdout_rows)  # fmt: skip
         text_columns = [f"text{i}" for i in range(plan.num_texts)]
         collate = PairCollator(tokenizer, d.max_length, text_columns, plan.label_dtype, prefix, plan.teacher)
         source = MemorySource(columns, text_columns)
@@ -502,6 +506,7 @@ def build(cfg: Config) -> Trainer:
     sts_valid = None
     if accelerator.is_main_process:
         sts_valid = read_pair_file(EVAL_DIR / "STS-B.valid.tsv").first(cfg.train.eval_max_pairs)
+    holdout = read_holdout(cfg.data, plan) if accelerator.is_main_process and cfg.data.holdout_rows else None
     trainer = Trainer(
         cfg=cfg,
         run_config=run_config,
@@ -518,6 +523,7 @@ def build(cfg: Config) -> Trainer:
         checkpointer=build_checkpointer(cfg, model),
         preemption=PreemptionHandler().install(),
         sts_valid=sts_valid,
+        holdout=holdout,
     )
     resume(trainer)
     return trainer

@@ -120,6 +120,12 @@ class DataConfig:
         "to size^source_alpha (false: every batch holds every source in proportion).",
     )
     source_alpha: float = option(0.5, "alpha of one_source_per_batch (1: by size; 0: sources uniformly).")
+    holdout_rows: int = option(
+        0,
+        "Rows of the training data kept out of every batch for the teacher-agreement score: the trailing "
+        "whole blocks of teacher shards holding at least this many rows, or a supervised file's last records "
+        "(with data.supervised_teacher); 0 = none (pipeline/data/holdout.py, docs/training.md).",
+    )
     pair_max_rank: int = option(
         0,
         "Pair shards: only pairs the teacher's consistency filter ranked within k (checks that the teacher "
@@ -131,8 +137,8 @@ class DataConfig:
             self.supervised_file = resolve_path(self.supervised_file)
         if self.supervised_teacher is not None:
             self.supervised_teacher = resolve_path(self.supervised_teacher)
-        if self.source_alpha < 0 or self.pair_max_rank < 0:
-            raise ConfigError("data.source_alpha and data.pair_max_rank must be >= 0")
+        if self.source_alpha < 0 or self.pair_max_rank < 0 or self.holdout_rows < 0:
+            raise ConfigError("data.source_alpha, data.pair_max_rank and data.holdout_rows must be >= 0")
         if self.num_variants < 0:
             raise ConfigError("data.num_variants must be >= 0; set --data.num_variants to 0 or more")
         if self.num_dropout_views < 0:
@@ -340,10 +346,16 @@ class TrainConfig:
     )
     eval_every: int = option(500, "Evaluate on STS-B valid every this many steps (0 = only at the end).")
     eval_max_pairs: int = option(0, "Evaluate on the first this many STS-B valid pairs (0 = all).")
+    select_on: Literal["sts_b", "sts_b+teacher"] = option(
+        "sts_b",
+        "The score that picks the best checkpoint: STS-B valid Spearman, or the mean of it and the teacher "
+        "agreement (Spearman x100 of the student's and the teacher's pairwise cosines over the rows "
+        "data.holdout_rows keeps out of training), both logged at every evaluation (docs/training.md).",
+    )
     final_model: Literal["last", "best"] = option(
         "last",
         "Weights written to RUN_DIR/model at the end: the last step's, or the checkpoint with the best "
-        "STS-B valid score (model selection on the dev set, as SimCSE's reference trainer does).",
+        "train.select_on score (model selection on the dev set, as SimCSE's reference trainer does).",
     )
     debug_dump: bool = option(False, "Write RUN_DIR/debug/rank{r}.json (checksums of parameters and queue).")
     unpadded: bool = option(
@@ -491,6 +503,11 @@ class Config:
             raise ConfigError(
                 "train.unpadded is not supported with the mlm term or a momentum encoder (both read padded "
                 "rows); set --train.unpadded=false"
+            )
+        if t.select_on == "sts_b+teacher" and not d.holdout_rows:
+            raise ConfigError(
+                "train.select_on=sts_b+teacher scores the teacher agreement on held-out training rows; set "
+                "data.holdout_rows (e.g. 1000) or select on sts_b"
             )
         if t.gradcache_chunk_size and t.grad_accum_steps > 1:
             raise ConfigError("use either train.gradcache_chunk_size or train.grad_accum_steps > 1, not both")
