@@ -175,3 +175,26 @@ def test_data_holdout_rows_keeps_the_last_records_out_with_their_teacher_rows(
         assert len(seen) >= 32 and seen <= set(range(N_PAIRS - 8))
     finally:
         t.close()
+
+
+def test_sup_simcse_trains_with_distillation_on_triples(tmp_path, teacher_dir):
+    """A triple file's anchor and positive get teacher vectors (teacher --pairs_file --triples); the
+    negatives are not distilled."""
+    from pipeline.stages.teacher.run import Config
+    from pipeline.stages.teacher.run import run as teach
+    from pipeline.train.run import run
+
+    texts = sample_sentences(3 * 32)
+    triples = tmp_path / "triples.tsv"
+    lines = [f"{texts[3 * i]}\t{texts[3 * i][1:]}\t{texts[3 * i + 2]}" for i in range(32)]
+    triples.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    vectors = tmp_path / "triples.teacher"
+    stage = Config(pairs_file=triples, triples=True, out=vectors, model=str(teacher_dir), progress=False)
+    assert teach(stage) == 0
+    over = {"loss": [{"sup_simcse": {}}, {"distill": {}}], "train.max_steps": 3}
+    cfg = labels_config(tmp_path, triples, vectors, **over)
+    assert run(cfg) == 0
+    steps = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    assert len(steps) == 3
+    assert all(r["distill_loss"] > 0 and math.isfinite(r["contrastive_loss"]) for r in steps)
