@@ -87,7 +87,7 @@ def test_selection_on_the_mean_picks_the_best_checkpoint_and_logs_both(tmp_path,
     "over, message",
     [
         ({"train.select_on": "sts_b+teacher"}, "set data.holdout_rows"),
-        ({"data.holdout_rows": 10}, "needs teacher vectors"),
+        ({"data.holdout_rows": 10}, "needs batches with teacher vectors"),
     ],
 )
 def test_mistakes_are_one_line(tmp_path, tiny_shards, over, message):
@@ -103,3 +103,8 @@ def test_holding_out_every_block_is_refused(tmp_path, teacher_shards):
 
     with pytest.raises(ConfigError, match="data.holdout_rows=90 but .* set data.holdout_rows to at most 56"):
         build(debug_config(tmp_path, teacher_shards, **DISTILL, **{"data.holdout_rows": 90}))
+
+
+def test_holdout_rows_is_bounded_because_the_score_compares_every_pair(tmp_path, teacher_shards):
+    with pytest.raises(ConfigError, match=r"data.holdout_rows must be in \[0, 2048\], got 5000"):
+        debug_config(tmp_path, teacher_shards, **DISTILL, **{"data.holdout_rows": 5000})

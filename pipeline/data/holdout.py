@@ -71,9 +71,9 @@ def refuse_holdout(d: Any, teacher: bool, pairs: bool) -> None:
     """``data.holdout_rows`` needs batches with the teacher's vectors, from sentence shards or a pair file."""
     if d.holdout_rows and (not teacher or pairs):
         raise ConfigError(
-            "data.holdout_rows holds rows out for the teacher-agreement score: it needs teacher vectors "
-            "(data.shards from the teacher stage, or data.supervised_teacher) and is not supported on pair "
-            "shards; set data.holdout_rows to 0"
+            "data.holdout_rows holds rows out for the teacher-agreement score: it needs batches with teacher "
+            "vectors (teacher-stage data.shards with data.teacher set, or data.supervised_teacher) and is "
+            "not supported on pair shards; set data.holdout_rows to 0"
         )
 
 

@@ -39,6 +39,8 @@ def resolve_path(path: Path) -> Path:
     return alt if alt.exists() else path
 
 
+MAX_HOLDOUT_ROWS = 2048  # data.holdout_rows: a supervised file's 2,048 records: 4,096 sentences, 8.4M pairs
+
 # The file fields each section resolves when it is made (its __post_init__), as (section, field).
 FILE_FIELDS = (
     ("data", "supervised_file"),
@@ -137,8 +139,13 @@ class DataConfig:
             self.supervised_file = resolve_path(self.supervised_file)
         if self.supervised_teacher is not None:
             self.supervised_teacher = resolve_path(self.supervised_teacher)
-        if self.source_alpha < 0 or self.pair_max_rank < 0 or self.holdout_rows < 0:
-            raise ConfigError("data.source_alpha, data.pair_max_rank and data.holdout_rows must be >= 0")
+        if self.source_alpha < 0 or self.pair_max_rank < 0:
+            raise ConfigError("data.source_alpha and data.pair_max_rank must be >= 0")
+        if not 0 <= self.holdout_rows <= MAX_HOLDOUT_ROWS:
+            raise ConfigError(
+                f"data.holdout_rows must be in [0, {MAX_HOLDOUT_ROWS}], got {self.holdout_rows}: the teacher "
+                "agreement compares every pair of the held-out sentences (N^2 cosines at each evaluation)"
+            )
         if self.num_variants < 0:
             raise ConfigError("data.num_variants must be >= 0; set --data.num_variants to 0 or more")
         if self.num_dropout_views < 0:
