@@ -5,6 +5,11 @@ it; the model card and the README call its five STS scores zero-shot. This test 
 and compares every kept sentence, and every text of the bundled pair collections, with every sentence
 of the bundled evaluation files (all splits of the five scored sets, STS-B's train and valid too), by
 :func:`pipeline.normalize.normalize_text` (spacing, width, case and punctuation ignored).
+
+The labelled files the other configs train on go through ``pipeline decontaminate``
+(:mod:`pipeline.data.eval_overlap`): its drop counts are checked exactly on a small fixture, and every
+file a shipped config in launch/configs/ names is checked here, the labelled ones by running the command
+their config's header gives on the shared file.
 """
 
 from __future__ import annotations
