@@ -165,7 +165,8 @@ def build_config(cls: type, argv: list[str], positional: str | tuple[str, ...] |
 
 def usage() -> str:
     lines = ["usage: python -m pipeline <command> [--config FILE.yaml] [--key=value ...]", "", "commands:"]
-    lines += [f"  {name:<11} {cmd.summary}" for name, cmd in COMMANDS.items()]
+    width = max(map(len, COMMANDS))
+    lines += [f"  {name:<{width}} {cmd.summary}" for name, cmd in COMMANDS.items()]
     lines += ["", "python -m pipeline <command> --help lists the command's options."]
     return "\n".join(lines)
 

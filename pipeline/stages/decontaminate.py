@@ -27,7 +27,7 @@ USAGE = "usage: python -m pipeline decontaminate IN --out OUT.tsv [--triples] [-
 class Config:
     input: Path | None = option(None, "Pair or triple file to filter (.tsv, .txt, .jsonl, a .json array).")
     out: Path | None = option(None, "Where the kept records go (.tsv or .jsonl); the counts go beside it.")
-    triples: bool = option(False, "IN holds (anchor, positive, negative) triples; else pairs.")
+    triples: bool = option(False, "The input holds (anchor, positive, negative) triples; else pairs.")
     eval_dir: Path = option(EVAL_DIR, "Evaluation folder: every NAME.SPLIT.tsv of the five sets is read.")
 
     def __post_init__(self) -> None:
