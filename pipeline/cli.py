@@ -35,6 +35,9 @@ COMMANDS: dict[str, Command] = {
         "pipeline.stages.preprocess.run", "raw corpus -> deduplicated, shuffled shards", "inputs"
     ),
     "pairs": Command("pipeline.stages.pairs.run", "raw corpus -> shards of the pairs records give", "inputs"),
+    "decontaminate": Command(
+        "pipeline.stages.decontaminate", "pair/triple file -> the same without eval-set sentences", "input"
+    ),
     "augment": Command("pipeline.stages.augment.run", "shards -> shards with cached EDA variants"),
     "teacher": Command(
         "pipeline.stages.teacher.run", "shards -> shards with teacher embeddings (+ mined hard negatives)"
@@ -162,7 +165,8 @@ def build_config(cls: type, argv: list[str], positional: str | tuple[str, ...] |
 
 def usage() -> str:
     lines = ["usage: python -m pipeline <command> [--config FILE.yaml] [--key=value ...]", "", "commands:"]
-    lines += [f"  {name:<11} {cmd.summary}" for name, cmd in COMMANDS.items()]
+    width = max(map(len, COMMANDS))
+    lines += [f"  {name:<{width}} {cmd.summary}" for name, cmd in COMMANDS.items()]
     lines += ["", "python -m pipeline <command> --help lists the command's options."]
     return "\n".join(lines)
 

@@ -384,6 +384,18 @@ def test_check_compatible_allows_harmless_changes():
     ]
 
 
+def test_a_checkpoint_from_before_a_field_existed_resumes_at_its_earlier_behaviour():
+    """data.holdout_rows, data.supervised_teacher and train.select_on (issue 44) are absent from earlier
+    checkpoints' configs: absent reads as the value that does what the run did then, anything else alters."""
+    new = json.loads(json.dumps(CONFIG))
+    new["data"].update(holdout_rows=0, supervised_teacher=None)
+    new["train"]["select_on"] = "sts_b"
+    check_compatible(CONFIG, new)
+    new["data"]["holdout_rows"] = 1000
+    altering, _ = config_differences(CONFIG, new)
+    assert altering == ["data.holdout_rows: 0 -> 1000"]
+
+
 def test_a_new_run_length_alters_a_decaying_schedule():
     for schedule in ("linear", "cosine"):
         old = json.loads(json.dumps(CONFIG))

@@ -135,3 +135,16 @@ def test_aliases_lists_of_positives_and_optional_labels(tmp_path):
     assert [p.label for p in read_pairs(tsv, require_label=False)] == [None, 1.0]
     with pytest.raises(InputError, match=r"p.tsv:1: expected 3 tab-separated columns"):
         read_pairs(tsv)
+
+
+def test_a_cblue_json_array_reads_as_records_and_names_a_bad_one(tmp_path):
+    """CHIP-STS (text1/text2) and KUAKE-QQR (query1/query2) come as one JSON array, labels as strings."""
+    chip = tmp_path / "CHIP-STS_train.json"
+    chip.write_text(json.dumps([{"id": "1", "text1": "甲", "text2": "乙", "label": "1", "category": "x"}]))
+    kuake = tmp_path / "KUAKE-QQR_train.json"
+    kuake.write_text(json.dumps([{"id": "s1", "query1": "丙", "query2": "丁", "label": "2"},
+                                 {"id": "s2", "query1": "戊", "query2": "", "label": "0"}]))  # fmt: skip
+    assert read_pairs(chip) == [Pair("甲", "乙", 1.0)]
+    assert read_pairs(kuake, strict=False) == [Pair("丙", "丁", 2.0)]
+    with pytest.raises(InputError, match=r"KUAKE-QQR_train.json:record 2: text_b is empty"):
+        read_pairs(kuake)

@@ -369,7 +369,9 @@ class ViewCollator:
 
 
 class PairCollator:
-    """Supervised records -> tokenised columns (sentence1/2[/3]) and labels, one tensor set per column."""
+    """Supervised records -> tokenised columns (sentence1/2[/3]) and labels, one tensor set per column;
+    with ``teacher`` (a pair file's teacher vectors, pipeline/data/labelled.py) the teacher rows of text 1
+    and text 2 as ``teacher`` and ``teacher_positive``, as a batch of pair shards carries them."""
 
     def __init__(
         self,
@@ -378,9 +380,10 @@ class PairCollator:
         text_columns: Sequence[str],
         label_dtype: Any = None,
         prefix: str = "",
+        teacher: bool = False,
     ):
         self.encode = FastEncoder(tokenizer, max_length, prefix)
-        self.text_columns, self.label_dtype = list(text_columns), label_dtype
+        self.text_columns, self.label_dtype, self.teacher = list(text_columns), label_dtype, teacher
 
     def __call__(self, rows: dict[str, list[Any]]) -> Batch:
         ids, mask = self.encode([t for col in self.text_columns for t in rows[col]])
@@ -391,6 +394,8 @@ class PairCollator:
             attention_mask=mask,
             num_views=len(self.text_columns),
             labels=labels,  # (B,)
+            teacher=teacher_rows(rows["teacher"]) if self.teacher else None,  # (B, D) text 1's
+            teacher_positive=teacher_rows(rows["teacher_positive"]) if self.teacher else None,  # text 2's
         )
 
 

@@ -7,8 +7,10 @@ Formats, chosen by the file suffix:
   label column may be left out. Triples: ``anchor<TAB>positive<TAB>negative``.
 * ``.jsonl`` / ``.json``: one JSON object per line. Pairs: ``{"sentence1", "sentence2", "label"}``,
   each key with aliases (:data:`PAIR_KEYS`: ``text1``/``text2``/``score``, ``anchor``/``positive``,
-  ``query``/``pos``); a list of strings as the second text is one pair per element. Triples:
-  ``{"anchor", "positive", "negative"}``. Other keys are ignored.
+  ``query``/``pos``, CBLUE's ``query1``/``query2``); a list of strings as the second text is one pair
+  per element. Triples: ``{"anchor", "positive", "negative"}``. Other keys are ignored.
+* ``.json`` holding one JSON array of such objects (CBLUE's ``CHIP-STS_train.json``,
+  ``KUAKE-QQR_train.json``): read as if each element were a line; a problem names ``file:record N``.
 
 Texts are stripped of surrounding whitespace. Labels are numbers (a graded score for CoSENT, a class
 index for the Sentence-BERT classifier); text labels such as NLI's ``entailment`` are accepted only
@@ -46,8 +48,8 @@ JSONL_SUFFIXES = (".jsonl", ".json")
 
 # JSONL keys of a pair, first the name used in messages, then its accepted aliases.
 PAIR_KEYS: tuple[tuple[str, ...], ...] = (
-    ("sentence1", "text1", "text_a", "anchor", "query"),
-    ("sentence2", "text2", "text_b", "positive", "pos"),
+    ("sentence1", "text1", "text_a", "anchor", "query", "query1"),
+    ("sentence2", "text2", "text_b", "positive", "pos", "query2"),
     ("label", "score"),
 )
 TRIPLE_KEYS: tuple[tuple[str, ...], ...] = (("anchor",), ("positive",), ("negative",))
@@ -132,6 +134,27 @@ def _json_fields(line: str, keys: tuple[tuple[str, ...], ...], optional: int = 0
     return values
 
 
+def _json_array(path: Path) -> list[str] | None:
+    """A ``.json`` file holding one JSON array: its elements, each as a JSON line; None for JSON lines."""
+    with path.open("rb") as handle:
+        head = handle.read(64).removeprefix(b"\xef\xbb\xbf").lstrip()
+    if not head.startswith(b"["):
+        return None
+    try:
+        records = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: not a valid JSON array ({exc}); write one JSON object per line") from None
+    return [json.dumps(r, ensure_ascii=False) for r in records]
+
+
+def _units(path: Path) -> tuple[str, Iterator[tuple[int, str | _BadRecord]]]:
+    """(what a number counts, (number, text) per record): lines, or a JSON array's elements."""
+    array = _json_array(path) if path.suffix.lower() == ".json" else None
+    if array is None:
+        return "", _lines(path)
+    return "record ", enumerate(array, start=1)
+
+
 def _lines(path: Path) -> Iterator[tuple[int, str | _BadRecord]]:
     """(line number, text) per line; a line that is not UTF-8 is a bad record, not the whole file's end."""
     with path.open("rb") as handle:
@@ -163,12 +186,13 @@ def _read(
     elif suffix in JSONL_SUFFIXES:
         split, columns = _json_fields, json_keys
     else:
-        raise InputError(f"{path}: unknown {kind} format {suffix!r}; use .tsv, .txt or .jsonl")
+        raise InputError(f"{path}: unknown {kind} format {suffix!r}; use .tsv, .txt, .jsonl or .json")
 
     records: list[T] = []
     skipped, blank = 0, 0
     first_problem = ""
-    for number, line in _lines(path):
+    unit, lines = _units(path)
+    for number, line in lines:
         if isinstance(line, str) and not line.strip():
             blank += 1
             continue
@@ -177,7 +201,7 @@ def _read(
                 raise line
             records.extend(build(split(line, columns, optional)))
         except _BadRecord as exc:
-            problem = f"{path}:{number}: {exc}"
+            problem = f"{path}:{unit}{number}: {exc}"
             if strict:
                 raise InputError(
                     f"{problem} (fix the line, or read with strict=False to skip bad lines)"

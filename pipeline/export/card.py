@@ -627,16 +627,20 @@ def model_card(inp: CardInputs) -> str:
         lines.append(markdown_table(["setting", "value"], [[k, fmt_number(v)] for k, v in rows]) + "\n")
     else:
         lines.append("No training configuration was found beside the checkpoint.\n")
-    selected = final_model_event(inp.resolved)
-    if selected and selected.get("initial_weights"):
+    selected = final_model_event(inp.resolved) or {}
+    # what the best checkpoint was chosen on (train.select_on; runs before it: STS-B valid)
+    on = "STS-B valid" if selected.get("select_on", "sts_b") == "sts_b" else (
+        "the mean of STS-B valid and the teacher agreement on held-out training rows")  # fmt: skip
+    score = selected.get("selection_score", selected.get("sts_b_valid_spearman"))
+    if selected.get("initial_weights") and score is not None:
         lines.append(
-            "**No training step beat the initial model** on STS-B valid "
-            f"({selected['sts_b_valid_spearman']:.2f} at step 0): these are the initial weights.\n"
+            f"**No training step beat the initial model** on {on} ({score:.2f} at step 0): these are the "
+            "initial weights.\n"
         )
-    elif selected and selected.get("sts_b_valid_spearman") is not None:
+    elif score is not None:
         lines.append(
-            f"Exported weights: step {fmt_number(selected['step'])} ({selected['selected']}), STS-B valid "
-            f"{selected['sts_b_valid_spearman']:.2f}; step 0 (the initial model) was a candidate.\n"
+            f"Exported weights: step {fmt_number(selected['step'])} ({selected['selected']}), {on} "
+            f"{score:.2f}; step 0 (the initial model) was a candidate.\n"
         )
     if inp.calibration is not None:
         lines += calibration_card(inp.calibration)

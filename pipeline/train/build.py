@@ -23,6 +23,8 @@ from torch import nn
 from pipeline import distributed as dist
 from pipeline.config import from_dict, to_dict
 from pipeline.data.collate import MLMCollator, PairCollator, PairShardCollator, ViewCollator, token_layout
+from pipeline.data.holdout import HeldOut, read_holdout, split_blocks
+from pipeline.data.labelled import memory_columns
 from pipeline.data.pairs import read_records
 from pipeline.data.sources import pair_order
 from pipeline.data.stream import BatchStream, MemorySource, ShardSource, index_shards
@@ -94,6 +96,7 @@ class Trainer:
     checkpointer: Checkpointer | None = None
     preemption: PreemptionHandler | None = None
     sts_valid: PairSet | None = None  # rank 0 only: the STS-B valid pairs scored by evaluate()
+    holdout: HeldOut | None = None  # rank 0 only: data.holdout_rows's rows, for the teacher agreement
     callbacks: Callbacks = field(default_factory=Callbacks)  # hooks into the run (train() sets them)
     engine: Any = None  # the step's engine (pipeline/train/engines.py), chosen once by train()
     guard: Any = None  # the guard's part in each step (engines.GuardPolicy), decided once by train()
@@ -369,6 +372,7 @@ def build_stream(
         order = pair_order(d, plan.shard_set, blocks)
     elif plan.shard_set is not None:
         blocks = shard_blocks(plan.shard_set, d.verify_shards, rank)
+        blocks, _ = split_blocks(blocks, d.holdout_rows, d.shards)  # data.holdout_rows: never in a batch
         collate = ViewCollator(
             tokenizer, d.max_length, plan.num_variants, plan.num_dropout_views, prefix, plan.teacher,
             plan.num_hard_negatives, plan.token_ids, plan.text_hashes,
@@ -376,15 +380,12 @@ def build_stream(
         source = ShardSource(blocks, collate.columns)
         if plan.mlm_probability is not None:  # masks drawn in the loader workers, from the data cursor
             collate = MLMCollator(collate, tokenizer, t.seed, plan.mlm_probability)
-    else:
-        records = read_records(d.supervised_file, plan.source)
-        n_text, label_dtype = plan.num_texts, plan.label_dtype
-        columns = {f"text{i}": [r[i] for r in records] for i in range(n_text)}
-        columns["index"] = list(range(len(records)))
-        if label_dtype is not None:
-            columns["label"] = [r[-1] for r in records]
-        text_columns = [f"text{i}" for i in range(n_text)]
-        collate = PairCollator(tokenizer, d.max_length, text_columns, label_dtype, prefix)
+    else:  # a supervised file (and its teacher vectors: pipeline/data/labelled.py)
+        labels = plan.label_dtype is not None
+        columns = memory_columns(d.supervised_file, plan.source, plan.num_texts, labels, plan.pair_teacher,
+                                 d.holdout_rows)  # fmt: skip
+        text_columns = [f"text{i}" for i in range(plan.num_texts)]
+        collate = PairCollator(tokenizer, d.max_length, text_columns, plan.label_dtype, prefix, plan.teacher)
         source = MemorySource(columns, text_columns)
     collate = token_layout(collate, tokenizer.pad_token_id, d.max_length, t)  # unpadded / bucketed widths
     window = d.bucket_window if d.length_bucketing else 0
@@ -505,6 +506,7 @@ def build(cfg: Config) -> Trainer:
     sts_valid = None
     if accelerator.is_main_process:
         sts_valid = read_pair_file(EVAL_DIR / "STS-B.valid.tsv").first(cfg.train.eval_max_pairs)
+    holdout = read_holdout(cfg.data, plan) if accelerator.is_main_process and cfg.data.holdout_rows else None
     trainer = Trainer(
         cfg=cfg,
         run_config=run_config,
@@ -521,6 +523,7 @@ def build(cfg: Config) -> Trainer:
         checkpointer=build_checkpointer(cfg, model),
         preemption=PreemptionHandler().install(),
         sts_valid=sts_valid,
+        holdout=holdout,
     )
     resume(trainer)
     return trainer

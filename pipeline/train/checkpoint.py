@@ -127,6 +127,15 @@ HARMLESS_KEYS: tuple[str, ...] = (
 )
 
 
+# Fields added after checkpoints were written, with the value that does what the run did before them: a
+# saved config without the key reads as that value (a run of the earlier version resumes).
+ADDED_FIELDS: dict[str, Any] = {
+    "data.supervised_teacher": None,
+    "data.holdout_rows": 0,
+    "train.select_on": "sts_b",
+}
+
+
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(data, Mapping):
         out: dict[str, Any] = {}
@@ -146,7 +155,7 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
     constant_lr = old.get("optim.schedule") == new.get("optim.schedule") == "constant"
     altering, harmless = [], []
     for key in sorted(set(old) | set(new)):
-        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        a, b = old.get(key, ADDED_FIELDS.get(key, "<absent>")), new.get(key, "<absent>")
         if a == b:
             continue
         line = f"{key}: {a!r} -> {b!r}"

@@ -64,17 +64,18 @@ def finish(t: Trainer) -> None:
         target = t.cfg.run_dir / "model"
         best = t.checkpointer.best() if t.cfg.train.final_model == "best" and t.checkpointer else None
         initial = best is not None and t.state.best_step == 0
+        on = t.cfg.train.select_on  # what best_metric is: STS-B valid, or its mean with the teacher agreement
         if initial:
-            log.warning(
-                "no step beat the initial model (STS-B valid %.2f); exporting the initial weights",
-                t.state.best_metric,
-            )
+            score = t.state.best_metric
+            log.warning("no step beat the initial model (%s %.2f); exporting the initial weights", on, score)
         t.metrics.log(
             {
                 "event": "final_model",
                 "selected": "best" if best is not None else "last",
                 "step": t.state.best_step if best is not None else t.state.step,
-                "sts_b_valid_spearman": t.state.best_metric if best is not None else None,
+                "sts_b_valid_spearman": t.state.best_metric if best is not None and on == "sts_b" else None,
+                "select_on": on,
+                "selection_score": t.state.best_metric if best is not None else None,
                 "initial_weights": initial,  # no step beat the step-0 evaluation
             }
         )
@@ -85,8 +86,8 @@ def finish(t: Trainer) -> None:
             shutil.rmtree(target, ignore_errors=True)
             tmp.rename(target)
             log.info(
-                "final model = best checkpoint %s (STS-B valid %.2f at step %s), saved to %s",
-                best.name, t.state.best_metric, t.state.best_step, target,
+                "final model = best checkpoint %s (%s %.2f at step %s), saved to %s",
+                best.name, on, t.state.best_metric, t.state.best_step, target,
             )  # fmt: skip
         else:
             if t.cfg.train.final_model == "best":

@@ -39,8 +39,15 @@ def resolve_path(path: Path) -> Path:
     return alt if alt.exists() else path
 
 
+MAX_HOLDOUT_ROWS = 2048  # data.holdout_rows: a supervised file's 2,048 records: 4,096 sentences, 8.4M pairs
+
 # The file fields each section resolves when it is made (its __post_init__), as (section, field).
-FILE_FIELDS = (("data", "supervised_file"), ("model", "scratch_config"), ("train", "deepspeed_config"))
+FILE_FIELDS = (
+    ("data", "supervised_file"),
+    ("data", "supervised_teacher"),
+    ("model", "scratch_config"),
+    ("train", "deepspeed_config"),
+)
 
 
 def resolve_saved_paths(saved: dict[str, Any]) -> dict[str, Any]:
@@ -71,7 +78,15 @@ class DataConfig:
     )
     prefetch_factor: int = option(4, "Batches each loader worker prepares ahead.")
     supervised_file: Path | None = option(
-        None, "TSV/JSONL pair or triple file for sup_simcse, cosent and sbert (e.g. STS-B.train.tsv)."
+        None,
+        "TSV/JSONL pair or triple file for sup_simcse, cosent and sbert, never a split of the scored sets "
+        "(`python -m pipeline decontaminate` filters one: docs/objectives.md, 'Labelled pairs').",
+    )
+    supervised_teacher: Path | None = option(
+        None,
+        "The teacher's vectors of data.supervised_file's first two texts (`python -m pipeline teacher "
+        "--pairs_file FILE --out DIR --model TEACHER`); set: batches carry them and a distill (or kl) term "
+        "may train beside the supervised term (docs/objectives.md, 'Labels beside distillation').",
     )
     verify_shards: bool = option(
         True,
@@ -107,6 +122,12 @@ class DataConfig:
         "to size^source_alpha (false: every batch holds every source in proportion).",
     )
     source_alpha: float = option(0.5, "alpha of one_source_per_batch (1: by size; 0: sources uniformly).")
+    holdout_rows: int = option(
+        0,
+        "Rows of the training data kept out of every batch for the teacher-agreement score: the trailing "
+        "whole blocks of teacher shards holding at least this many rows, or a supervised file's last records "
+        "(with data.supervised_teacher); 0 = none (pipeline/data/holdout.py, docs/training.md).",
+    )
     pair_max_rank: int = option(
         0,
         "Pair shards: only pairs the teacher's consistency filter ranked within k (checks that the teacher "
@@ -116,8 +137,15 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.supervised_file is not None:
             self.supervised_file = resolve_path(self.supervised_file)
+        if self.supervised_teacher is not None:
+            self.supervised_teacher = resolve_path(self.supervised_teacher)
         if self.source_alpha < 0 or self.pair_max_rank < 0:
             raise ConfigError("data.source_alpha and data.pair_max_rank must be >= 0")
+        if not 0 <= self.holdout_rows <= MAX_HOLDOUT_ROWS:
+            raise ConfigError(
+                f"data.holdout_rows must be in [0, {MAX_HOLDOUT_ROWS}], got {self.holdout_rows}: the teacher "
+                "agreement compares every pair of the held-out sentences (N^2 cosines at each evaluation)"
+            )
         if self.num_variants < 0:
             raise ConfigError("data.num_variants must be >= 0; set --data.num_variants to 0 or more")
         if self.num_dropout_views < 0:
@@ -325,10 +353,16 @@ class TrainConfig:
     )
     eval_every: int = option(500, "Evaluate on STS-B valid every this many steps (0 = only at the end).")
     eval_max_pairs: int = option(0, "Evaluate on the first this many STS-B valid pairs (0 = all).")
+    select_on: Literal["sts_b", "sts_b+teacher"] = option(
+        "sts_b",
+        "The score that picks the best checkpoint: STS-B valid Spearman, or the mean of it and the teacher "
+        "agreement (Spearman x100 of the student's and the teacher's pairwise cosines over the rows "
+        "data.holdout_rows keeps out of training), both logged at every evaluation (docs/training.md).",
+    )
     final_model: Literal["last", "best"] = option(
         "last",
         "Weights written to RUN_DIR/model at the end: the last step's, or the checkpoint with the best "
-        "STS-B valid score (model selection on the dev set, as SimCSE's reference trainer does).",
+        "train.select_on score (model selection on the dev set, as SimCSE's reference trainer does).",
     )
     debug_dump: bool = option(False, "Write RUN_DIR/debug/rank{r}.json (checksums of parameters and queue).")
     unpadded: bool = option(
@@ -446,12 +480,23 @@ class Config:
                 f"{loss.main.name} needs at least one positive: set data.num_variants or num_dropout_views "
                 ">= 1 (or luse.teacher_positive; for distillation alone the loss is one distill term)"
             )
-        if not loss.unsupervised and (
-            loss.reads(TEACHER) or d.teacher is not None or d.num_hard_negatives or loss.reads(MLM_LOGITS)
-        ):
+        if not loss.unsupervised and (d.num_hard_negatives or loss.reads(MLM_LOGITS)):
             raise ConfigError(
-                f"loss term {loss.main.name} reads a pair file; data.teacher/num_hard_negatives and the "
-                "distill, kl and mlm terms read the shards: unset them, or use luse or simcse"
+                f"loss term {loss.main.name} reads a pair file; data.num_hard_negatives and the mlm term "
+                "read the shards: unset them, or use luse or simcse"
+            )
+        teacher_read = loss.reads(TEACHER) or d.teacher is not None
+        if not loss.unsupervised and teacher_read and d.supervised_teacher is None:
+            raise ConfigError(
+                f"loss term {loss.main.name} reads a pair file without teacher vectors; data.teacher and "
+                "the distill and kl terms need them: set data.supervised_teacher to the file's (`python -m "
+                "pipeline teacher --pairs_file FILE --out DIR --model TEACHER`), unset them, or use luse or "
+                "simcse"
+            )
+        if d.supervised_teacher is not None and (loss.unsupervised or not loss.reads(TEACHER)):
+            raise ConfigError(
+                "data.supervised_teacher holds the teacher vectors of data.supervised_file for a distill or "
+                "kl term beside a supervised term (cosent, sbert, sup_simcse); add both terms or unset it"
             )
         if d.num_hard_negatives and not loss.reads(HARD_NEGATIVES):
             raise ConfigError(
@@ -465,6 +510,11 @@ class Config:
             raise ConfigError(
                 "train.unpadded is not supported with the mlm term or a momentum encoder (both read padded "
                 "rows); set --train.unpadded=false"
+            )
+        if t.select_on == "sts_b+teacher" and not d.holdout_rows:
+            raise ConfigError(
+                "train.select_on=sts_b+teacher scores the teacher agreement on held-out training rows; set "
+                "data.holdout_rows (e.g. 1000) or select on sts_b"
             )
         if t.gradcache_chunk_size and t.grad_accum_steps > 1:
             raise ConfigError("use either train.gradcache_chunk_size or train.grad_accum_steps > 1, not both")

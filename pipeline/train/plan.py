@@ -18,6 +18,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pipeline.data.holdout import refuse_holdout
+from pipeline.data.labelled import PairTeacher, check_pair_teacher
 from pipeline.data.sources import pair_batches, pair_dropout_views, refuse_pair_options
 from pipeline.data.token_ids import ids_usable
 from pipeline.errors import ConfigError
@@ -52,6 +54,7 @@ class DataPlan:
     # A supervised file (source "pairs" or "triples"): its texts per record and its labels' dtype.
     num_texts: int = 0
     label_dtype: Any = None  # torch.dtype of the label column; None: the batches carry no labels
+    pair_teacher: PairTeacher | None = None  # its teacher vectors (data.supervised_teacher): teacher is True
 
     @property
     def num_views(self) -> int:
@@ -82,7 +85,11 @@ def check_against_data(
     if shard_set is None:
         refuse_pair_options(d, False)
         labels = loss.main.label_dtype if loss.main is not None else None  # the supervised file's term
-        return DataPlan(source=loss.data, num_texts=loss.num_views(0, 0), label_dtype=labels)
+        vectors = check_pair_teacher(d) if d.supervised_teacher is not None else None  # its teacher's
+        width = None if vectors is None else vectors.dim
+        refuse_holdout(d, vectors is not None, False)  # data.holdout_rows reads teacher vectors
+        return DataPlan(source=loss.data, num_texts=loss.num_views(0, 0), label_dtype=labels,
+                        teacher=vectors is not None, teacher_dim=width, pair_teacher=vectors)  # fmt: skip
     pairs = pair_batches(loss, shard_set)  # pair shards vs the loss (pipeline/data/sources.py)
     variants = loss.main is not None and loss.main.uses_variants and not pairs  # pairs: no variants
     if variants and d.num_variants > shard_set.num_variants:
@@ -93,6 +100,7 @@ def check_against_data(
         )
     refuse_pair_options(d, pairs)  # data.one_source_per_batch and pair_max_rank need pair shards
     teacher, teacher_dim = resolve_teacher(d, loss, shard_set)
+    refuse_holdout(d, teacher, pairs)
     if variants and d.num_variants + d.num_dropout_views < 1 and not loss.needs.teacher_positive:
         raise ConfigError(  # on pair shards the partner is a positive (config.py checks the other terms)
             f"{loss.main.name} needs at least one positive: set data.num_variants or num_dropout_views "

@@ -97,11 +97,23 @@ class Config(Execution):
     pair_pool: int = option(
         64, "Pair shards: candidates per pool (the partner + other positives of its source in the shard)."
     )
+    pairs_file: Path | None = option(
+        None,
+        "Instead of --shards: a labelled pair (or, with --triples, triple) file; writes --out as its first "
+        "two texts' vectors for data.supervised_teacher (pipeline/data/labelled.py).",
+    )
+    triples: bool = option(False, "--pairs_file holds triples: the anchor and the positive are encoded.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.shards is None or self.out is None:
-            raise ConfigError("usage: python -m pipeline teacher --shards IN --out OUT --model TEACHER")
+        if (self.shards is None) == (self.pairs_file is None) or self.out is None:
+            raise ConfigError(
+                "usage: python -m pipeline teacher --shards IN --out OUT --model TEACHER (or --pairs_file "
+                "FILE instead of --shards)"
+            )
+        if self.pairs_file is not None and (self.dtype != "float16" or self.variants or self.hard_negatives):
+            raise ConfigError("--pairs_file stores float16 vectors of two texts a record; drop --dtype, "
+                              "--variants and --hard-negatives")  # fmt: skip
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
         if self.batch_size < 1:
@@ -282,6 +294,23 @@ def append(block: pa.Table, name: str, column: pa.Array) -> pa.Table:
     return block.append_column(pa.field(name, column.type, nullable=False), column)
 
 
+def encode_pair_file(cfg: Config) -> int:
+    """--pairs_file: the teacher's vectors of every record's first two texts (pipeline/data/labelled.py)."""
+    from pipeline.data.labelled import write_pair_teacher
+    from pipeline.data.pairs import read_records
+
+    records = read_records(cfg.pairs_file, "triples" if cfg.triples else "pairs")
+    device = resolve_device(cfg.device)
+    encoder = load_teacher(cfg, device)
+    precision = precision_for(device, cfg.bf16)
+    sides = [[r[i] for r in records] for i in range(2)]  # text 1 and text 2 of every record
+    first, second = (encode_texts(encoder, texts, cfg.batch_size, precision) for texts in sides)
+    write_pair_teacher(cfg.out, cfg.pairs_file, first, second, teacher_record(cfg, encoder, precision))
+    log.info("teacher vectors of %d records of %s (%d dims) -> %s", len(records), cfg.pairs_file,
+             first.shape[1], cfg.out)  # fmt: skip
+    return 0
+
+
 def convert_shard(job: ShardJob, cfg: Config, report: Report | None = None) -> dict:
     """One float16 teacher shard -> the same shard with int8 vectors and their scales; no model.
 
@@ -434,6 +463,8 @@ def conversion_record(cfg: Config, in_manifest: dict[str, Any]) -> dict[str, Any
 
 
 def run(cfg: Config) -> int:
+    if cfg.pairs_file is not None:
+        return encode_pair_file(cfg)
     reads = (
         "the teacher stage reads the output of `augment` (or `preprocess`, or `pairs`), or converts a "
         "`teacher` output to --dtype int8"
