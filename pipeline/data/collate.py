@@ -127,6 +127,16 @@ class Batch:
             out.append(Batch(**values))
         return out
 
+    def sentences_to(self, device: torch.device | str) -> Batch:
+        """This batch with its per-sentence columns (ids, labels, teacher rows, ...) on ``device``
+        (asynchronous from pinned memory), what the loss's terms read; the rows stay where they are."""
+        moved = {
+            f.name: getattr(self, f.name).to(device, non_blocking=True)
+            for f in dataclasses.fields(self)
+            if f.metadata["split"] == SENTENCES and getattr(self, f.name) is not None
+        }
+        return dataclasses.replace(self, **moved)
+
     def inputs(self, device: torch.device | str) -> dict[str, Any]:
         """The encoder's inputs on ``device`` (asynchronous from pinned memory): ``input_ids`` and
         ``attention_mask``, or in the unpadded layout ``input_ids``, ``position_ids``, ``cu_seqlens`` and

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,7 +33,10 @@ import torch.nn.functional as F
 from pipeline.config import option
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.terms import MLM_LOGITS, Needs, StepOutput, Term
+from pipeline.losses.terms import MLM_LOGITS, Lent, Needs, Rows, Term
+
+if TYPE_CHECKING:
+    from pipeline.data.collate import Batch
 
 IGNORE_INDEX = -100  # label of unselected positions (cross_entropy's default ignore_index)
 MASK_PROB = 0.15  # BERT's selection rate; the mlm term's probability overrides it
@@ -112,10 +116,10 @@ class MLMConfig:
             raise ConfigError("mlm.probability must be in (0, 1) (BERT uses 0.15)")
 
 
-def _term_loss(c: MLMConfig, out: StepOutput) -> torch.Tensor:
-    if out.mlm_logits is None or out.mlm_labels is None:
+def _term_loss(c: MLMConfig, rows: Rows, batch: Batch, lent: Lent) -> torch.Tensor:
+    if rows.mlm_logits is None or batch.mlm_labels is None:
         raise ValueError("the mlm term needs the step's MLM logits and labels (batches from MLMCollator)")
-    return compute_loss(out.mlm_logits, out.mlm_labels)  # logits (B, L, V), labels (B, L)
+    return compute_loss(rows.mlm_logits, batch.mlm_labels)  # logits (B, L, V), labels (B, L)
 
 
 TERM = Term(

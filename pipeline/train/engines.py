@@ -15,18 +15,18 @@ from typing import Any
 import torch
 
 from pipeline.data.collate import Batch
-from pipeline.losses.terms import LossOut
+from pipeline.losses.terms import LossOut, Rows
 from pipeline.train.build import Trainer
 from pipeline.train.gradcache import chunked_forward_backward
 from pipeline.train.guard import DeviceCheck, StepCheck, device_verdict, grad_norm, step_verdict
 
 
 def term_loss(t: Trainer, encoded: torch.Tensor | tuple[torch.Tensor, torch.Tensor], mb: Batch) -> LossOut:
-    """The loss over one micro-batch (the run's built :class:`~pipeline.losses.terms.TrainLoss`: the
-    weighted total, each term's value and the counts terms report), as the hooks leave it
-    (``Callbacks.on_loss``). ``encoded`` is what the model's forward returned: the rows (N, H), or
-    (rows, MLM logits (B, L, V)) when the model has an MLM head."""
-    return t.callbacks.on_loss(t, mb, t.loss(encoded, mb, t.module.head))
+    """The loss over one micro-batch (the run's built :class:`~pipeline.losses.terms.TrainLoss` on the
+    :class:`~pipeline.losses.terms.Rows` the model gave and the batch: the weighted total, each term's
+    value and the counts terms report), as the hooks leave it (``Callbacks.on_loss``). ``encoded`` is what
+    the model's forward returned: the rows (N, H), or (rows, MLM logits (B, L, V)) with an MLM head."""
+    return t.callbacks.on_loss(t, mb, t.loss(Rows.of(encoded, t.module.head), mb))
 
 
 def forward(t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch) -> Any:
