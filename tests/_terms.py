@@ -37,7 +37,6 @@ def evaluate(
     queue, as a loss evaluated outside a run). ``{"loss": total, **parts, **counts}``."""
     n, b, h = views.shape
     m = 0 if hard_negatives is None else hard_negatives.shape[0]
-    blocks = views if hard_negatives is None else torch.cat([views, hard_negatives])
     batch = Batch(
         input_ids=torch.zeros((n + m) * b, 1, dtype=torch.long),
         attention_mask=torch.ones((n + m) * b, 1, dtype=torch.long),
@@ -52,5 +51,5 @@ def evaluate(
     lent = next(iter(built.terms.values())).lent
     lent.queue = None if queue is None else _queue(queue, queue_ids, queue_text_hashes)
     lent.teacher_queue = None if teacher_queue is None else _queue(teacher_queue)
-    out = built(Rows(blocks.reshape((n + m) * b, h), head=head, gather=gather), batch)
+    out = built(Rows(views, hard_negatives, head=head, gather=gather), batch)
     return {"loss": out.total, **out.parts, **out.counts}

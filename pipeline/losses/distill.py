@@ -139,7 +139,7 @@ class DistillConfig:
 
 
 def _distill_loss(c: DistillConfig, rows: Rows, batch: Batch) -> torch.Tensor:
-    views = rows.views(batch)  # (n, B, H)
+    views = rows.views  # (n, B, H)
     if batch.teacher_positive is not None:  # a batch of pair shards: both sides, each to its own teacher
         sides = (_student(rows, views[0]), _student(rows, views[1]))  # (B, D_t) each
         anchor = embedding_loss(sides[0], batch.teacher, c.loss)
@@ -161,7 +161,7 @@ def _similarities(kl: KLConfig, rows: Rows, batch: Batch, lent: Lent) -> torch.T
     are; the queue pair is used when the run keeps one (luse's keys, kl's teacher rows)."""
     queued = lent.queue is not None and lent.teacher_queue is not None
     return kl_loss(
-        rows.views(batch)[0],  # (B, H) or (B, dim) the originals
+        rows.views[0],  # (B, H) or (B, dim) the originals
         batch.teacher,  # (B, D_t) the full teacher
         kl.student_temperature,
         kl.teacher_temperature,

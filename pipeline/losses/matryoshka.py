@@ -71,14 +71,13 @@ def compute_loss(
     temperature: float = 0.05,
 ) -> torch.Tensor:
     """``sum_k w_k sum_i weight_i term_i(prefix_k(rows), batch)`` over ``dims`` and the built ``terms``."""
-    width = rows.embeddings.shape[-1]
+    width = rows.views.shape[-1]
     if max(dims) > width:
         raise ConfigError(f"matryoshka.dims {dims}: the embeddings are {width}-d; keep dims <= {width}")
-    total = rows.embeddings.new_zeros((), dtype=at_least_float32(rows.embeddings).dtype)
+    total = rows.views.new_zeros((), dtype=at_least_float32(rows.views).dtype)
     for dim, w in zip(dims, weights):
-        short = rows.shortened(dim, temperature)  # (N, dim); a term cuts what else it compares the same way
-        for t in terms:
-            total = total + w * t.weight * t(short, batch)
+        for t in terms:  # each term on its own cut (., dim): one graph per term, as each term alone has
+            total = total + w * t.weight * t(rows.shortened(dim, temperature), batch)
     return total
 
 

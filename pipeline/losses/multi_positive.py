@@ -271,14 +271,14 @@ def _term_loss(c: LuseConfig, rows: Rows, batch: Batch, lent: Lent) -> torch.Ten
     of the batch."""
     if batch.groups is not None and c.teacher_positive:
         raise ValueError("luse.teacher_positive: not on pair batches (the positive is not the anchor)")
-    views = rows.views(batch)  # (n, B, H)
+    views = rows.views  # (n, B, H)
     return compute_loss(
         views,
         c.temperature,
         queue=None if lent.queue is None else rows.cut(lent.queue.negatives()),  # (filled, H)
         gather=rows.gather,
         teacher=batch.teacher if c.teacher_positive else None,
-        hard_negatives=rows.hard_negatives(batch),  # (m, B, H)
+        hard_negatives=rows.hard_negatives,  # (m, B, H)
         project=rows.head,
         guide=guide_of(c.false_negatives, batch, views.shape[0], lent.queue, lent.teacher_queue),
         counts=rows.counts,

@@ -146,7 +146,7 @@ class PairsConfig:
 
 
 def _term_loss(c: PairsConfig, rows: Rows, batch: Batch, lent: Lent) -> torch.Tensor:
-    views = rows.views(batch)  # (2, B, H) anchor, positive
+    views = rows.views  # (2, B, H) anchor, positive
     if views.shape[0] != 2:
         raise ValueError(f"pairs: views must be (2, B, H) (anchor, positive), got {tuple(views.shape)}")
     if batch.groups is None:

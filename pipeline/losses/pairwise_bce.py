@@ -113,7 +113,7 @@ class PairwiseBCEConfig:
 
 def _term_loss(c: PairwiseBCEConfig, rows: Rows, batch: Batch, lent: Lent) -> torch.Tensor:
     guide = make_guide(c.false_negatives, batch.ids, batch.text_hashes, teacher=batch.teacher)
-    return compute_loss(rows.views(batch), gather=rows.gather, guide=guide, counts=rows.counts)  # (n, B, H)
+    return compute_loss(rows.views, gather=rows.gather, guide=guide, counts=rows.counts)  # (n, B, H)
 
 
 TERM = Term(

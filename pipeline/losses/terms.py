@@ -13,7 +13,7 @@ what it reads (views, pairs, labels, teacher, hard negatives, queue, MLM logits)
 heads it needs (:class:`Needs`: an MLM head and masked originals, text hashes; a queue's size for the
 data checks) and its loss. In training the loss is built once per run and kept: :class:`TrainLoss`, a
 ``ModuleDict`` of :class:`TermModule`, each called as ``term(rows, batch)``: :class:`Rows`, what the
-model gave (the embeddings, the MLM logits, the head), and the typed
+model gave (the views and hard negatives, the MLM logits, the head), and the typed
 :class:`~pipeline.data.collate.Batch`, from which the term reads its own columns. A term with state
 subclasses :class:`TermModule` in its own file (luse holds its negative queue and momentum encoder, kl
 its teacher queue) and lends what others read of it through one small record, :class:`Lent`; a term
@@ -63,12 +63,16 @@ class Prefix:
     temperature: float
 
 
+Encoded = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # the model's rows (N, H), or (rows, MLM logits)
+
+
 @dataclass(frozen=True)
 class Rows:
-    """What the model gave for one micro-batch, as every term reads it beside the :class:`Batch`
-    (pipeline/data/collate.py), whose ``num_views`` and ``num_hard_negatives`` say how the rows are laid."""
+    """What the model gave for one micro-batch, laid out as the :class:`Batch` (pipeline/data/collate.py)
+    says (``num_views`` and ``num_hard_negatives``): what every term reads beside the batch's columns."""
 
-    embeddings: torch.Tensor  # (N, H) L2-normalised, view-major: n views of B sentences, then m negatives
+    views: torch.Tensor  # (n, B, H) L2-normalised: view v of sentence b at [v, b] (a pair: anchor, positive)
+    hard_negatives: torch.Tensor | None = None  # (m, B, H): negative j of sentence b at [j, b]
     mlm_logits: torch.Tensor | None = None  # (B, L, V) the MLM head over the masked originals
     head: nn.Module | None = None  # the trainable head (sbert classifier or the teacher projection)
     gather: bool = True  # gather candidates across ranks (a collective)
@@ -78,23 +82,16 @@ class Rows:
     counts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @staticmethod
-    def of(encoded: torch.Tensor | tuple[torch.Tensor, torch.Tensor], head: nn.Module | None) -> Rows:
-        """What the model's forward returned: the rows (N, H), or (rows, MLM logits (B, L, V))."""
+    def of(
+        encoded: torch.Tensor | tuple[torch.Tensor, torch.Tensor], batch: Batch, head: nn.Module | None
+    ) -> Rows:
+        """What the model's forward returned, the rows (N, H) or (rows, MLM logits (B, L, V)), laid out
+        by ``batch``: rows [0, n*B) are the n views, rows [n*B, (n+m)*B) the m hard negatives."""
         rows, mlm_logits = encoded if isinstance(encoded, tuple) else (encoded, None)
-        return Rows(rows, mlm_logits, head)
-
-    def views(self, batch: Batch) -> torch.Tensor:
-        """(n, B, H): view v of sentence b at [v, b] (a pair batch: anchor, positive, re-encodings)."""
-        n, b = batch.num_views, self.embeddings.shape[0] // batch.rows_per_sentence
-        return self.embeddings[: n * b].view(n, b, self.embeddings.shape[-1])
-
-    def hard_negatives(self, batch: Batch) -> torch.Tensor | None:
-        """(m, B, H): negative j of sentence b at [j, b]; None without any."""
         n, m = batch.num_views, batch.num_hard_negatives
-        if not m:
-            return None
-        b = self.embeddings.shape[0] // (n + m)
-        return self.embeddings[n * b :].view(m, b, self.embeddings.shape[-1])
+        b, h = rows.shape[0] // (n + m), rows.shape[-1]
+        hard_negatives = rows[n * b :].view(m, b, h) if m else None  # (m, B, H)
+        return Rows(rows[: n * b].view(n, b, h), hard_negatives, mlm_logits, head)  # views (n, B, H)
 
     def cut(self, keys: torch.Tensor) -> torch.Tensor:
         """Student embeddings of elsewhere (a queue's (Q, H) keys) as these rows are: the same prefix."""
@@ -103,8 +100,15 @@ class Rows:
     def shortened(self, dim: int, temperature: float) -> Rows:
         """These rows cut to their re-normalised ``dim``-prefix, without the head (no projection of a
         prefix); the counts stay shared."""
+        negatives = (
+            None if self.hard_negatives is None else prefix_of(self.hard_negatives, dim)
+        )  # (m, B, dim)
         return dataclasses.replace(
-            self, embeddings=prefix_of(self.embeddings, dim), head=None, prefix=Prefix(dim, temperature)
+            self,
+            views=prefix_of(self.views, dim),  # (n, B, dim)
+            hard_negatives=negatives,
+            head=None,
+            prefix=Prefix(dim, temperature),
         )
 
 
@@ -410,7 +414,7 @@ class TrainLoss(nn.Module):
 
     def forward(self, rows: Rows, batch: Batch) -> LossOut:
         """Every term on one micro-batch's rows and batch, and their weighted sum."""
-        batch = batch.sentences_to(rows.embeddings.device)  # per-sentence columns, once for every term
+        batch = batch.sentences_to(rows.views.device)  # per-sentence columns, once for every term
         self.check(batch)
         terms = list(self.terms.values())
         parts = {t.part: t(rows, batch) for t in terms}

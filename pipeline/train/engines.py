@@ -26,7 +26,7 @@ def term_loss(t: Trainer, encoded: torch.Tensor | tuple[torch.Tensor, torch.Tens
     :class:`~pipeline.losses.terms.Rows` the model gave and the batch: the weighted total, each term's
     value and the counts terms report), as the hooks leave it (``Callbacks.on_loss``). ``encoded`` is what
     the model's forward returned: the rows (N, H), or (rows, MLM logits (B, L, V)) with an MLM head."""
-    return t.callbacks.on_loss(t, mb, t.loss(Rows.of(encoded, t.module.head), mb))
+    return t.callbacks.on_loss(t, mb, t.loss(Rows.of(encoded, mb, t.module.head), mb))
 
 
 def forward(t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch) -> Any:
