@@ -82,9 +82,7 @@ class Rows:
     counts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @staticmethod
-    def of(
-        encoded: torch.Tensor | tuple[torch.Tensor, torch.Tensor], batch: Batch, head: nn.Module | None
-    ) -> Rows:
+    def of(encoded: Encoded, batch: Batch, head: nn.Module | None) -> Rows:
         """What the model's forward returned, the rows (N, H) or (rows, MLM logits (B, L, V)), laid out
         by ``batch``: rows [0, n*B) are the n views, rows [n*B, (n+m)*B) the m hard negatives."""
         rows, mlm_logits = encoded if isinstance(encoded, tuple) else (encoded, None)
@@ -100,9 +98,8 @@ class Rows:
     def shortened(self, dim: int, temperature: float) -> Rows:
         """These rows cut to their re-normalised ``dim``-prefix, without the head (no projection of a
         prefix); the counts stay shared."""
-        negatives = (
-            None if self.hard_negatives is None else prefix_of(self.hard_negatives, dim)
-        )  # (m, B, dim)
+        negatives = self.hard_negatives  # (m, B, H) -> (m, B, dim)
+        negatives = None if negatives is None else prefix_of(negatives, dim)
         return dataclasses.replace(
             self,
             views=prefix_of(self.views, dim),  # (n, B, dim)
