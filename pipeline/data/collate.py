@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.data.masking import MASK_PROB, batch_generator, mask_tokens
 from pipeline.data.token_ids import TEXT_COLUMNS, TOKEN_ID_COLUMNS, pad_ids
-from pipeline.losses.mlm import MASK_PROB, batch_generator, mask_tokens
 from pipeline.normalize import normalize_text
 
 # How Batch.split cuts a field into micro-batches (every field declares one, so none can be dropped).
@@ -406,7 +406,7 @@ class PairCollator:
 
 class MLMCollator:
     """Wraps a view collator: fills ``mlm_input_ids`` / ``mlm_labels`` (B, L), view 0 masked
-    (:func:`pipeline.losses.mlm.mask_tokens`, seeded by :func:`pipeline.losses.mlm.batch_generator`).
+    (:func:`pipeline.data.masking.mask_tokens`, seeded by :func:`pipeline.data.masking.batch_generator`).
 
     Runs in the loader workers (picklable: only ints and the wrapped collator). View 0 is the first B
     rows of the view-major batch, the original sentences.
