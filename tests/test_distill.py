@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _tensors import unit
+from _terms import evaluate
 
 from pipeline.errors import ConfigError, InputError
-from pipeline.losses import StepOutput, build_loss, distill, multi_positive
+from pipeline.losses import build_loss, distill, multi_positive
 
 TAU = 0.05
 
@@ -117,7 +118,7 @@ def test_objective_weights_parts_and_needs_a_teacher():
         [{"luse": {}, "weight": 0.5}, {"distill": {}, "weight": 2.0}, {"kl": {}, "weight": 0.3}]
     )
     views, teacher = unit(3, 4, 6), unit(4, 6, seed=1)
-    parts = luse(StepOutput(views, teacher=teacher, gather=False))
+    parts = evaluate(luse, views, teacher=teacher, gather=False)
     assert set(parts) == {"loss", "contrastive", "distill", "kl"}
     torch.testing.assert_close(parts["contrastive"], multi_positive.compute_loss(views, 0.05, gather=False))
     torch.testing.assert_close(parts["distill"], distill.embedding_loss(views[0], teacher))
@@ -125,9 +126,9 @@ def test_objective_weights_parts_and_needs_a_teacher():
     expected = 0.5 * parts["contrastive"] + 2.0 * parts["distill"] + 0.3 * parts["kl"]
     torch.testing.assert_close(parts["loss"], expected)
     with pytest.raises(InputError, match="no teacher embeddings"):
-        luse(StepOutput(views, gather=False))
+        evaluate(luse, views, gather=False)
     with pytest.raises(InputError, match="hard negatives"):
-        build_loss([{"simcse": {}}])(StepOutput(views[:2], hard_negatives=views[:1]))
+        evaluate(build_loss([{"simcse": {}}]), views[:2], hard_negatives=views[:1])
 
 
 def test_distillation_alone_with_a_projection_head():
@@ -136,7 +137,7 @@ def test_distillation_alone_with_a_projection_head():
     assert isinstance(head, torch.nn.Linear) and tuple(head.weight.shape) == (10, 6)
     assert alone.build_head(6, teacher_dim=6) is None  # equal widths
     views, teacher = unit(1, 4, 6).float(), unit(4, 10, seed=1).float()
-    parts = alone(StepOutput(views, teacher=teacher, head=head, gather=False))
+    parts = evaluate(alone, views, teacher=teacher, head=head, gather=False)
     assert set(parts) == {"loss", "distill"}
     expected = distill.embedding_loss(F.normalize(head(views[0]), dim=-1), teacher)
     torch.testing.assert_close(parts["loss"], expected)

@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _tensors import leaf, unit
+from _terms import evaluate
 
 from pipeline.data.collate import text_hashes
 from pipeline.errors import ConfigError
 from pipeline.losses import build_loss, multi_positive, pairwise_bce
 from pipeline.losses.false_negatives import FalseNegativeConfig, Guide, make_guide
-from pipeline.losses.terms import StepOutput
 
 TAU = 0.05
 
@@ -179,7 +179,7 @@ def test_term_defaults_masks_by_id_and_reports_the_count():
     loss = build_loss([{"luse": {"queue_size": 8}}])
     config = loss.terms[0].config  # the luse term's
     assert config.false_negatives == FalseNegativeConfig(same_id=True, same_text=False, teacher_margin=None)
-    out = StepOutput(
+    out = dict(
         views=unit(2, 3, 8, seed=14).float(),
         queue=unit(4, 8, seed=15).float(),
         ids=torch.tensor([1, 2, 3]),
@@ -188,14 +188,12 @@ def test_term_defaults_masks_by_id_and_reports_the_count():
         queue_text_hashes=torch.tensor([7, 0, 0, 0]),
         gather=False,
     )
-    parts = loss(out)
+    parts = evaluate(loss, **out)
     assert parts["false_negatives"].item() == 4  # sentence 2's two views, queue rows 0 and 1
     on = build_loss([{"luse": {"queue_size": 8, "false_negatives": {"same_text": True}}}])
-    out.counts = {}
-    assert on(out)["false_negatives"].item() == 6  # and sentence 0's views, queue row 0
+    assert evaluate(on, **out)["false_negatives"].item() == 6  # and sentence 0's views, queue row 0
     off = build_loss([{"luse": {"queue_size": 8, "false_negatives": {"same_id": False}}}])
-    out.counts = {}
-    assert "false_negatives" not in off(out)
+    assert "false_negatives" not in evaluate(off, **out)
 
 
 def test_config_errors_and_missing_inputs():
@@ -205,7 +203,7 @@ def test_config_errors_and_missing_inputs():
         build_loss([{"luse": {"false_negatives": {"same_ids": True}}}])
     loss = build_loss([{"luse_bce": {"false_negatives": {"same_text": True}}}])
     with pytest.raises(ValueError, match="text hashes"):
-        loss(StepOutput(views=unit(2, 3, 8).float(), ids=torch.tensor([1, 2, 3]), gather=False))
+        evaluate(loss, unit(2, 3, 8).float(), ids=torch.tensor([1, 2, 3]), gather=False)
     assert build_loss([{"luse": {"false_negatives": {"teacher_margin": 0.05}}}]).reads("teacher")
 
 

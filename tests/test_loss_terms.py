@@ -179,3 +179,46 @@ def test_each_term_holds_its_own_state_in_its_state_dict():
     assert loss.states() == {"queue": luse.queue, "momentum_encoder": luse.momentum_encoder,
                              "teacher_queue": kl.teacher_queue}  # fmt: skip
     assert loss.parts == {"contrastive", "kl"} and loss.report() == {"queue_fill": 0.0}
+
+
+def test_luse_lends_its_queue_to_kl_and_matryoshka_holds_the_built_terms():
+    """After an enqueue, kl's value is its formula over luse's queued keys and its own teacher rows (lent
+    through one record); matryoshka calls the same term modules the run built, not copies."""
+    import torch
+    import torch.nn.functional as F
+
+    from pipeline.data.collate import Batch
+    from pipeline.losses import build_loss, distill
+    from pipeline.losses.terms import Rows, TermContext, TrainLoss
+
+    plan = build_loss([{"luse": {"queue_size": 8}}, {"kl": {}, "weight": 0.5}, {"matryoshka": {"dims": [2]}}])
+    loss = TrainLoss(plan, TermContext(torch.nn.Identity(), 4, 6, plan.needs))
+    luse, kl, matryoshka = loss.terms["luse"], loss.terms["kl"], loss.terms["matryoshka"]
+    assert luse.lent is kl.lent is matryoshka.lent
+    assert luse.lent.queue is luse.queue and kl.lent.teacher_queue is kl.teacher_queue
+    assert matryoshka.inner == [luse, kl] and not list(matryoshka.children())  # held, not registered twice
+    g = torch.Generator().manual_seed(0)
+    views = F.normalize(torch.randn(2, 3, 4, generator=g), dim=-1)  # (n, B, H)
+    tokens = torch.ones(6, 1, dtype=torch.long)
+    batch = Batch(tokens, tokens, num_views=2, ids=torch.arange(3), teacher=torch.randn(3, 6, generator=g))
+    rows = Rows.of(views.reshape(6, 4), batch, None)
+    loss.after_micro_batch(views.reshape(6, 4), {}, batch)  # luse's keys and kl's teacher rows, row for row
+    out = loss(rows, batch)
+    expected = distill.kl_loss(
+        views[0], batch.teacher, queue=views[0], teacher_queue=batch.teacher, gather=False
+    )
+    torch.testing.assert_close(out.parts["kl"], expected)
+
+
+def test_the_loss_says_what_every_batch_carries_in_one_place():
+    import torch
+
+    from pipeline.losses import build_loss
+    from pipeline.losses.terms import Columns
+
+    luse = build_loss([{"luse": {"false_negatives": {"same_text": True}}}, {"mlm": {"probability": 0.2}}])
+    assert luse.columns(2, 1) == Columns("shards", 2, 1, False, True, 0.2, 1, None)
+    alone = build_loss([{"distill": {}}])  # the originals only: no variants, no dropout views
+    assert alone.columns(2, 1) == Columns("shards", 0, 0, True, False, None, 1, None)
+    cosent = build_loss([{"cosent": {}}])
+    assert cosent.columns(0, 0).source == "pairs" and cosent.columns(0, 0).label_dtype == torch.float32

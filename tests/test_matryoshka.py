@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _terms import evaluate
 
 from pipeline.errors import ConfigError
 from pipeline.losses import build_loss, multi_positive
-from pipeline.losses.terms import StepOutput
 
 
 def unit(g, *shape):
@@ -51,8 +51,7 @@ def test_matryoshka_of_distill_and_luse_equals_the_literal_formula():
         ]
     )
     head = loss.build_head(12, 7).double()  # the full width is distilled through the projection
-    out = StepOutput(views=views, teacher=teacher, queue=queue, head=head, gather=False)
-    parts = loss(out)
+    parts = evaluate(loss, views, teacher=teacher, queue=queue, head=head, gather=False)
 
     expected = 0.0
     for dim, w in ((8, 1.0), (4, 0.25)):
@@ -82,8 +81,9 @@ def test_matryoshka_of_kl_uses_the_kl_terms_temperatures_and_its_queue_pair():
             {"matryoshka": {"dims": [5], "of": ["kl"]}},
         ]
     )
-    out = StepOutput(views=views, teacher=teacher, queue=queue, teacher_queue=teacher_queue, gather=False)
-    value = loss(out)["matryoshka"]
+    value = evaluate(loss, views, teacher=teacher, queue=queue, teacher_queue=teacher_queue, gather=False)[
+        "matryoshka"
+    ]
     # literal: the candidates are the 5 other sentences then the 3 queued ones
     s = F.normalize(views[0, :, :5], dim=-1)
     sq = F.normalize(queue[:, :5], dim=-1)
@@ -104,7 +104,7 @@ def test_a_prefix_as_wide_as_the_model_repeats_a_contrastive_term():
     g = torch.Generator().manual_seed(2)
     views = unit(g, 2, 4, 6)
     loss = build_loss([{"simcse": {}}, {"matryoshka": {"dims": [6]}}])
-    parts = loss(StepOutput(views=views, gather=False))
+    parts = evaluate(loss, views, gather=False)
     torch.testing.assert_close(parts["matryoshka"], parts["contrastive"])
 
 
@@ -112,7 +112,7 @@ def test_gradients_reach_only_the_prefix_dims_of_a_small_prefix():
     g = torch.Generator().manual_seed(3)
     views = unit(g, 3, 4, 8).requires_grad_(True)
     loss = build_loss([{"luse": {}}, {"matryoshka": {"dims": [3]}}])
-    loss(StepOutput(views=views, gather=False))["matryoshka"].backward()
+    evaluate(loss, views, gather=False)["matryoshka"].backward()
     assert views.grad[..., 3:].abs().max() == 0 and views.grad[..., :3].abs().max() > 0
 
 

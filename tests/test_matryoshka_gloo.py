@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _gloo import spawn_ranks
+from _terms import evaluate
 
 from pipeline.losses import build_loss
-from pipeline.losses.terms import StepOutput
 
 pytestmark = pytest.mark.slow
 
@@ -45,11 +45,11 @@ def global_inputs() -> dict[str, torch.Tensor]:
     }
 
 
-def step_output(case: str, x: dict[str, torch.Tensor], views: torch.Tensor, gather: bool) -> StepOutput:
+def step_inputs(case: str, x: dict[str, torch.Tensor], views: torch.Tensor, gather: bool) -> dict:
     if case == "cosent":
-        return StepOutput(views=views[:2], labels=x["labels"], gather=gather)
+        return dict(views=views[:2], labels=x["labels"], gather=gather)
     queued = case.endswith("_queue")
-    return StepOutput(
+    return dict(
         views=views if case == "luse_queue" else views[:1],
         teacher=x["teacher"],
         queue=x["queue"] if queued else None,
@@ -70,7 +70,7 @@ def _body(rank: int) -> dict:
     out = {}
     for case, entries in CASES.items():
         views = local["views"].clone().requires_grad_(True)
-        value = build_loss(entries)(step_output(case, local, views, True))["matryoshka"]
+        value = evaluate(build_loss(entries), **step_inputs(case, local, views, True))["matryoshka"]
         value.backward()
         out[case] = (value.detach(), views.grad / WORLD)
     return out
@@ -85,7 +85,7 @@ def ranks(tmp_path_factory) -> list[dict]:
 def test_matryoshka_over_two_ranks_equals_one_process(ranks, case):
     x = global_inputs()
     views = x["views"].clone().requires_grad_(True)
-    value = build_loss(CASES[case])(step_output(case, x, views, False))["matryoshka"]
+    value = evaluate(build_loss(CASES[case]), **step_inputs(case, x, views, False))["matryoshka"]
     value.backward()
     torch.testing.assert_close(torch.stack([r[case][0] for r in ranks]).mean(), value.detach())
     torch.testing.assert_close(torch.cat([r[case][1] for r in ranks], dim=1), views.grad)

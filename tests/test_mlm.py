@@ -11,8 +11,9 @@ from safetensors import safe_open
 
 from pipeline.config import load_config
 from pipeline.data.collate import MLMCollator, ViewCollator
+from pipeline.data.masking import IGNORE_INDEX, batch_generator, mask_tokens
 from pipeline.errors import ConfigError
-from pipeline.losses.mlm import IGNORE_INDEX, batch_generator, compute_loss, mask_tokens
+from pipeline.losses.mlm import compute_loss
 from pipeline.model.heads import MLMHead
 from pipeline.train.config import PROJECT_ROOT, Config
 

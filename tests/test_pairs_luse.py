@@ -15,13 +15,13 @@ import pytest
 import torch
 from _gloo import spawn_ranks
 from _tensors import leaf, unit
+from _terms import evaluate
 from test_pairs_train import pair_config, pair_data  # noqa: F401 (pair_data: the module's fixture)
 
 from pipeline.errors import ConfigError
 from pipeline.losses import build_loss
 from pipeline.losses.false_negatives import FalseNegativeConfig, pair_guide
 from pipeline.losses.multi_positive import compute_loss
-from pipeline.losses.terms import StepOutput
 
 # anchors a_i and positives p_i (unit vectors), as tests/test_pairs_train.py; the dots by hand:
 #   a1.a2 = 0    a1.a3 = 0.6   a2.a3 = 0.8   p1.p2 = 0.6   p1.p3 = 0.8   p2.p3 = 0.96
@@ -180,9 +180,8 @@ def test_the_term_on_a_pair_step_output_with_distill():
     teacher, teacher_positive = A.clone(), P.clone()  # the student's own vectors: distill is 0
     loss = build_loss([{"luse": {"temperature": TAU}}, {"distill": {}}])
     assert loss.data == "shards" and loss.main.pair_views is not None
-    out = StepOutput(views=torch.stack([A, P]), gather=False, groups=torch.tensor([7, 7, 9]), teacher=teacher,
+    parts = evaluate(loss, torch.stack([A, P]), gather=False, groups=torch.tensor([7, 7, 9]), teacher=teacher,
                      teacher_positive=teacher_positive)  # fmt: skip
-    parts = loss(out)
     assert parts["distill"].item() == pytest.approx(0.0, abs=1e-6)
     assert parts["contrastive"].item() == pytest.approx(
         luse(torch.stack([A, P]), groups=torch.tensor([7, 7, 9])).item(), rel=1e-6
@@ -191,7 +190,7 @@ def test_the_term_on_a_pair_step_output_with_distill():
     same_text = build_loss([{"luse": {"false_negatives": {"same_text": True}}}])
     assert same_text.needs.text_hashes
     with pytest.raises(ValueError, match="text hashes of both sides"):
-        same_text(StepOutput(views=torch.stack([A, P]), gather=False, groups=torch.arange(3)))
+        evaluate(same_text, torch.stack([A, P]), gather=False, groups=torch.arange(3))
 
 
 # ------------------------------------------------------------------------------------ two gloo processes

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _terms import evaluate
 
 from pipeline.errors import ConfigError
 from pipeline.losses.pairs import compute_loss
-from pipeline.losses.terms import StepOutput
 from pipeline.resources import ROOT as RESOURCES
 
 BUNDLED = RESOURCES / "corpus" / "pairs"
@@ -74,14 +74,13 @@ def test_the_term_reads_views_groups_and_hashes_and_refuses_a_batch_without_grou
     loss = build_loss([{"pairs": {"temperature": TAU}}])
     assert loss.data == "pair_shards" and loss.unsupervised and loss.needs.text_hashes
     hashes = {"text_hashes": torch.tensor([1, 2, 3]), "positive_text_hashes": torch.tensor([4, 5, 6])}
-    out = StepOutput(views=torch.stack([A, P]), gather=False, groups=torch.tensor([7, 7, 9]), **hashes)
-    parts = loss(out)
+    parts = evaluate(loss, torch.stack([A, P]), gather=False, groups=torch.tensor([7, 7, 9]), **hashes)
     ap = [-1.6 + lse(1.6, 0.56), -2.0 + lse(2.0, 1.92), AP[2]]
     pa = [-1.6 + lse(1.6, 1.92), -2.0 + lse(2.0, 1.6), PA[2]]
     assert parts["loss"].item() == pytest.approx(sum(a + p for a, p in zip(ap, pa)) / 6, rel=1e-6)
     assert parts["false_negatives"].item() == 4
     with pytest.raises(ValueError, match="group"):
-        loss(StepOutput(views=torch.stack([A, P]), gather=False))
+        evaluate(loss, torch.stack([A, P]), gather=False)
     with pytest.raises(ConfigError, match="temperature"):
         build_loss([{"pairs": {"temperature": 0}}])
 
@@ -93,12 +92,12 @@ def test_distill_reads_both_sides_of_a_pair_batch():
     teacher_positive = torch.tensor([[0.0, 1.0], [0.0, 1.0], [1.0, 0.0]])
     loss = build_loss([{"distill": {}}])
     views = torch.stack([A, P])
-    got = loss(StepOutput(views=views, teacher=teacher, teacher_positive=teacher_positive, gather=False))
+    got = evaluate(loss, views, teacher=teacher, teacher_positive=teacher_positive, gather=False)
     anchors = [1 - 1.0, 1 - 1.0, 1 - 0.6]  # 1 - cos(a_i, t_i)
     positives = [1 - 0.6, 1 - 1.0, 1 - 0.28]  # 1 - cos(p_i, t+_i)
     assert got["loss"].item() == pytest.approx((sum(anchors) / 3 + sum(positives) / 3) / 2, rel=1e-6)
     # a sentence batch (no teacher_positive) distils its originals as before
-    alone = loss(StepOutput(views=views[:1], teacher=teacher, gather=False))["loss"]
+    alone = evaluate(loss, views[:1], teacher=teacher, gather=False)["loss"]
     assert alone.item() == pytest.approx(sum(anchors) / 3, rel=1e-6)
 
 

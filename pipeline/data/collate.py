@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.data.masking import MASK_PROB, batch_generator, mask_tokens
 from pipeline.data.token_ids import TEXT_COLUMNS, TOKEN_ID_COLUMNS, pad_ids
-from pipeline.losses.mlm import MASK_PROB, batch_generator, mask_tokens
 from pipeline.normalize import normalize_text
 
 # How Batch.split cuts a field into micro-batches (every field declares one, so none can be dropped).
@@ -126,6 +126,16 @@ class Batch:
                     values[f.name] = value[p * size : (p + 1) * size]
             out.append(Batch(**values))
         return out
+
+    def sentences_to(self, device: torch.device | str) -> Batch:
+        """This batch with its per-sentence columns (ids, labels, teacher rows, ...) on ``device``
+        (asynchronous from pinned memory), what the loss's terms read; the rows stay where they are."""
+        moved = {
+            f.name: getattr(self, f.name).to(device, non_blocking=True)
+            for f in dataclasses.fields(self)
+            if f.metadata["split"] == SENTENCES and getattr(self, f.name) is not None
+        }
+        return dataclasses.replace(self, **moved)
 
     def inputs(self, device: torch.device | str) -> dict[str, Any]:
         """The encoder's inputs on ``device`` (asynchronous from pinned memory): ``input_ids`` and
@@ -401,7 +411,7 @@ class PairCollator:
 
 class MLMCollator:
     """Wraps a view collator: fills ``mlm_input_ids`` / ``mlm_labels`` (B, L), view 0 masked
-    (:func:`pipeline.losses.mlm.mask_tokens`, seeded by :func:`pipeline.losses.mlm.batch_generator`).
+    (:func:`pipeline.data.masking.mask_tokens`, seeded by :func:`pipeline.data.masking.batch_generator`).
 
     Runs in the loader workers (picklable: only ints and the wrapped collator). View 0 is the first B
     rows of the view-major batch, the original sentences.

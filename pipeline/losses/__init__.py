@@ -41,7 +41,7 @@ from pipeline.losses import (
     sup_simcse,
 )
 from pipeline.losses.legacy import convert_objective, split_objective
-from pipeline.losses.terms import Loss, Needs, StepOutput, Term, WeightedTerm, parse_terms
+from pipeline.losses.terms import Loss, Needs, Rows, Term, WeightedTerm, parse_terms
 
 TERMS: dict[str, Term] = {
     t.name: t
@@ -106,4 +106,4 @@ def trained_loss(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-__all__ = ["TERMS", "Loss", "Needs", "StepOutput", "Term", "WeightedTerm", "build_loss", "trained_loss"]
+__all__ = ["TERMS", "Loss", "Needs", "Rows", "Term", "WeightedTerm", "build_loss", "trained_loss"]

@@ -64,7 +64,7 @@ TERM = Term(
     summary="CoSENT ranking of scored pairs (pairs file)",
     config=CosentConfig,
     # views (2, B, H): the two sides u, v; labels (B,) float scores
-    loss=lambda c, out: compute_loss(out.views[0], out.views[1], out.labels, c.scale, gather=out.gather),
+    loss=lambda c, rows, batch, lent: compute_loss(*rows.views, batch.labels, c.scale, gather=rows.gather),
     reads=lambda c: frozenset({PAIRS, LABELS}),
     part="contrastive",
     data="pairs",

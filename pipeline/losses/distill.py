@@ -37,7 +37,7 @@ DDP's averaged gradient is the single-process one (``tests/test_distributed_gloo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -50,13 +50,17 @@ from pipeline.losses.terms import (
     QUEUE,
     TEACHER,
     VIEWS,
+    Lent,
     Needs,
-    StepOutput,
+    Rows,
     Term,
     TermContext,
     TermModule,
     WeightedTerm,
 )
+
+if TYPE_CHECKING:
+    from pipeline.data.collate import Batch
 
 DISTILL_LOSSES = ("cosine", "mse")
 
@@ -134,45 +138,56 @@ class DistillConfig:
     loss: Literal["cosine", "mse"] = option("cosine", "cosine (1 - cos) or mse (of the unit vectors).")
 
 
-def _distill_loss(c: DistillConfig, out: StepOutput) -> torch.Tensor:
-    if out.teacher_positive is not None:  # a batch of pair shards: both sides, each to its own teacher
-        sides = (_student(out, out.views[0]), _student(out, out.views[1]))  # (B, D_t) each
-        anchor = embedding_loss(sides[0], out.teacher, c.loss)
-        return (anchor + embedding_loss(sides[1], out.teacher_positive, c.loss)) / 2
-    return embedding_loss(_student(out, out.views[0]), out.teacher, c.loss)  # the originals
+def _distill_loss(c: DistillConfig, rows: Rows, batch: Batch) -> torch.Tensor:
+    views = rows.views  # (n, B, H)
+    if batch.teacher_positive is not None:  # a batch of pair shards: both sides, each to its own teacher
+        sides = (_student(rows, views[0]), _student(rows, views[1]))  # (B, D_t) each
+        anchor = embedding_loss(sides[0], batch.teacher, c.loss)
+        return (anchor + embedding_loss(sides[1], batch.teacher_positive, c.loss)) / 2
+    return embedding_loss(_student(rows, views[0]), batch.teacher, c.loss)  # the originals
 
 
-def _student(out: StepOutput, student: torch.Tensor) -> torch.Tensor:
+def _student(rows: Rows, student: torch.Tensor) -> torch.Tensor:
     """(B, H) student rows, projected to the teacher's width (the manifest's) when there is a head."""
-    if out.head is not None:
-        student = F.normalize(out.head(student.to(out.head.weight.dtype)), dim=-1)  # (B, D_t)
+    if rows.head is not None:
+        student = F.normalize(rows.head(student.to(rows.head.weight.dtype)), dim=-1)  # (B, D_t)
     return student
 
 
-def _on_prefix(kl: KLConfig, short: StepOutput, out: StepOutput) -> torch.Tensor:
-    """A teacher term on a matryoshka prefix: in-batch similarity distillation (the kl formula) of the
-    student's prefix to the full-width teacher (pipeline/losses/matryoshka.py says why)."""
+def _similarities(kl: KLConfig, rows: Rows, batch: Batch, lent: Lent) -> torch.Tensor:
+    """KL(teacher || student) over the in-batch (+ queue) similarities of the originals (view 0): the kl
+    term, and a teacher term on a matryoshka prefix, whose student is the prefix of the rows and whose
+    teacher the full one (pipeline/losses/matryoshka.py says why). The queue's keys are cut as the rows
+    are; the queue pair is used when the run keeps one (luse's keys, kl's teacher rows)."""
+    queued = lent.queue is not None and lent.teacher_queue is not None
     return kl_loss(
-        short.views[0],  # (B, dim) the originals' prefixes
-        out.teacher,  # (B, D_t) the full teacher
+        rows.views[0],  # (B, H) or (B, dim) the originals
+        batch.teacher,  # (B, D_t) the full teacher
         kl.student_temperature,
         kl.teacher_temperature,
-        queue=short.queue if out.teacher_queue is not None else None,  # a kl term's queue pair only
-        teacher_queue=out.teacher_queue,
-        gather=out.gather,
+        queue=rows.cut(lent.queue.negatives()) if queued else None,  # (filled, H)
+        teacher_queue=lent.teacher_queue.negatives() if queued else None,  # (filled, D_t)
+        gather=rows.gather,
     )
+
+
+def _distill_term(c: DistillConfig, rows: Rows, batch: Batch, lent: Lent) -> torch.Tensor:
+    """Its formula on full-width rows; on a matryoshka prefix in-batch similarity distillation at
+    matryoshka's temperature (with the run's queue pair, lent, when it keeps one)."""
+    if rows.prefix is not None:
+        tau = rows.prefix.temperature
+        return _similarities(KLConfig(tau, tau), rows, batch, lent)
+    return _distill_loss(c, rows, batch)
 
 
 DISTILL = Term(
     name="distill",
     summary="embedding distillation to the shards' teacher embeddings (cosine or mse)",
     config=DistillConfig,
-    loss=_distill_loss,
+    loss=_distill_term,
     reads=lambda c: frozenset({VIEWS, TEACHER}),
     part="distill",
     projects=lambda c: True,
-    prefix_loss=lambda c, short, out, tau: _on_prefix(KLConfig(tau, tau), short, out),
-    prefix_reads=frozenset({VIEWS, TEACHER, QUEUE}),
     describe=lambda fields: {"cite": ["distill"]},  # the model card cites its paper
 )
 
@@ -190,7 +205,8 @@ class KLConfig:
 class KLTerm(TermModule):
     """The kl term in training, with its state when the run has a negative queue: the teacher embeddings
     of the queued sentences, row for row with the queue's keys (enqueued with them, gathered from all
-    ranks). A checkpoint holds it as ``teacher_queue``."""
+    ranks; lent to the run: its formula and luse's teacher_margin rule read them there, beside the queue's
+    keys luse lends). A checkpoint holds its rows as ``teacher_queue``."""
 
     def __init__(self, weighted: WeightedTerm, context: TermContext):
         from pipeline.losses.queue import NegativeQueue
@@ -198,10 +214,7 @@ class KLTerm(TermModule):
         super().__init__(weighted, context)
         size = context.needs.queue_size  # the run's negative queue (luse's), mirrored row for row
         self.teacher_queue = NegativeQueue(size, context.teacher_dim or context.dim) if size else None
-
-    def lend(self, out: StepOutput) -> None:
-        if self.teacher_queue is not None:
-            out.teacher_queue = self.teacher_queue.negatives()  # (filled, D_t)
+        self.lent.teacher_queue = self.teacher_queue
 
     def after_micro_batch(self, rows: torch.Tensor, inputs: dict[str, torch.Tensor], batch: Any,
                           apply: torch.Tensor | None) -> None:  # fmt: skip
@@ -219,19 +232,9 @@ KL = Term(
     name="kl",
     summary="KL(teacher || student) over in-batch (+ queue) similarities",
     config=KLConfig,
-    loss=lambda c, out: kl_loss(
-        out.views[0],
-        out.teacher,
-        c.student_temperature,
-        c.teacher_temperature,
-        queue=out.queue,
-        teacher_queue=out.teacher_queue,
-        gather=out.gather,
-    ),
+    loss=_similarities,  # the same formula on full-width rows and on a prefix (its own temperatures)
     reads=lambda c: frozenset({VIEWS, TEACHER, QUEUE}),
     part="kl",
     needs=lambda c: Needs(teacher_queue=True),  # the queued sentences' teacher rows, with a queue
     module=KLTerm,
-    prefix_loss=lambda c, short, out, tau: _on_prefix(c, short, out),
-    prefix_reads=frozenset({VIEWS, TEACHER, QUEUE}),
 )

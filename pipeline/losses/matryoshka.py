@@ -4,16 +4,19 @@ embedding of their own (stored and searched at k/H of the cost).
 
 sentence-transformers' ``MatryoshkaLoss`` wraps one base loss and sums ``w_k * base(prefix_k)`` over
 its dims. Here the base is the run's own list of terms: the ``matryoshka`` term names the terms it
-re-evaluates (``of``; default every term of the run that compares embeddings) and adds, for each prefix
-width k of ``dims``::
+re-evaluates (``of``; default every term of the run that compares embeddings) and holds them, built
+(:class:`MatryoshkaTerm`), and adds, for each prefix width k of ``dims``::
 
-    matryoshka = sum_k w_k * sum_{i in of} weight_i * term_i(prefix_k(step output))
+    matryoshka = sum_k w_k * sum_{i in of} weight_i * term_i(prefix_k(rows), batch)
     prefix_k(x) = x[..., :k] / ||x[..., :k]||
 
 The full width is trained by the terms themselves (the matryoshka term is added to them, never replaces
 them), so ``dims`` usually lists the smaller widths only; listing the model's width adds its terms once
-more. Every embedding of the step output is truncated: the views, the hard negatives and the queue's
-keys (a prefix of a unit key, re-normalised, is the key the truncated encoder would have produced).
+more. Every student embedding a term compares is truncated: the rows (views and hard negatives,
+:meth:`~pipeline.losses.terms.Rows.shortened`) and the queue's keys, which a term cuts as its rows are
+(:meth:`~pipeline.losses.terms.Rows.cut`; a prefix of a unit key, re-normalised, is the key the
+truncated encoder would have produced). A term's own forward is its value on the shortened rows: the
+teacher terms read :attr:`~pipeline.losses.terms.Rows.prefix` and take the formula below there.
 
 **Distillation on a prefix.** The teacher (multilingual-e5-small, 384-d) is not Matryoshka-trained: its
 own first k dimensions are not a k-d embedding of anything, and the student's k-d prefix lives in a
@@ -32,8 +35,9 @@ the similarity distribution rather than the raw cosines (an MSE of the two cosin
 gradient at the scale of the other terms: e5's cosines crowd into [0.7, 1], and their squared
 differences are ~1e-3.
 
-Terms that cannot be taken on a prefix are refused: ``mlm`` (no embedding), ``sbert`` (its classifier
-reads 3H inputs) and ``luse`` with ``teacher_positive`` when a projection compares student and teacher.
+Terms that cannot be taken on a prefix say so themselves (:attr:`~pipeline.losses.terms.Term.prefix_refusal`:
+the MLM term has no embedding, sbert's classifier reads 3H inputs) and are refused, as is a term that
+compares full-width vectors with the teacher (luse's ``teacher_positive``).
 
 Distributed: each prefix loss is its own term's formula on truncated tensors (gathers included), so
 its rank-mean and DDP gradient equal the single-process ones exactly when the term's do
@@ -42,59 +46,38 @@ its rank-mean and DDP gradient equal the single-process ones exactly when the te
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from pipeline.config import option
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.terms import VIEWS, StepOutput, Term, WeightedTerm
+from pipeline.losses.terms import VIEWS, Rows, Term, TermContext, TermModule, WeightedTerm
+
+if TYPE_CHECKING:
+    from pipeline.data.collate import Batch
 
 DEFAULT_DIMS = [256, 128, 64]  # prefix widths trained besides the full one (e5-small: 384)
-def prefix(x: torch.Tensor | None, dim: int) -> torch.Tensor | None:
-    """The first ``dim`` dimensions of (..., H) embeddings, re-normalised: (..., dim)."""
-    if x is None:
-        return None
-    return F.normalize(at_least_float32(x[..., :dim]), dim=-1)
-
-
-def truncate(out: StepOutput, dim: int) -> StepOutput:
-    """The step output with every student embedding cut to its re-normalised ``dim``-prefix."""
-    return dataclasses.replace(
-        out,
-        views=prefix(out.views, dim),  # (n, B, dim)
-        hard_negatives=prefix(out.hard_negatives, dim),  # (m, B, dim)
-        queue=prefix(out.queue, dim),  # (Q, dim)
-        head=None,  # no projection of a prefix (refused in bind)
-    )
-
-
-def prefix_term_loss(t: WeightedTerm, out: StepOutput, dim: int, temperature: float) -> torch.Tensor:
-    """Term ``t`` on the ``dim``-prefix of the step output (unweighted)."""
-    short = truncate(out, dim)
-    if t.term.prefix_loss is not None:  # a term with a formula of its own there (distill, kl)
-        return t.term.prefix_loss(t.config, short, out, temperature)
-    return t.term.loss(t.config, short)
 
 
 def compute_loss(
-    out: StepOutput,
-    terms: list[WeightedTerm],
+    rows: Rows,
+    batch: Batch,
+    terms: list[TermModule],
     dims: list[int],
     weights: list[float],
     temperature: float = 0.05,
 ) -> torch.Tensor:
-    """``sum_k w_k sum_i weight_i term_i(prefix_k(out))`` over ``dims`` and the run's ``terms``."""
-    width = out.views.shape[-1]
+    """``sum_k w_k sum_i weight_i term_i(prefix_k(rows), batch)`` over ``dims`` and the built ``terms``."""
+    width = rows.views.shape[-1]
     if max(dims) > width:
         raise ConfigError(f"matryoshka.dims {dims}: the embeddings are {width}-d; keep dims <= {width}")
-    total = out.views.new_zeros((), dtype=at_least_float32(out.views).dtype)
+    total = rows.views.new_zeros((), dtype=at_least_float32(rows.views).dtype)
     for dim, w in zip(dims, weights):
-        for t in terms:
-            total = total + w * t.weight * prefix_term_loss(t, out, dim, temperature)
+        for t in terms:  # each term on its own cut (., dim): one graph per term, as each term alone has
+            total = total + w * t.weight * t(rows.shortened(dim, temperature), batch)
     return total
 
 
@@ -142,8 +125,8 @@ def check_width(c: MatryoshkaConfig, width: int) -> None:
         )
 
 
-def bind(c: MatryoshkaConfig, run: list[WeightedTerm]) -> Term:
-    """The term bound to the run's terms it re-evaluates (``of``); a ConfigError if one does not fit."""
+def wraps(c: MatryoshkaConfig, run: list[WeightedTerm]) -> list[str]:
+    """The names of the run's terms it re-evaluates (``of``); a ConfigError if one does not fit."""
     names = [t.term.name for t in run]
     if c.of:
         missing = [n for n in c.of if n not in names]
@@ -166,32 +149,37 @@ def bind(c: MatryoshkaConfig, run: list[WeightedTerm]) -> Term:
                 "matryoshka.of: luse with teacher_positive compares full-width vectors with the teacher; "
                 "drop teacher_positive or leave luse out of matryoshka.of"
             )
-    reads = frozenset().union(*(_reads_on_prefix(t) for t in inner))
-    return dataclasses.replace(
-        TERM,
-        loss=lambda c, out: compute_loss(out, inner, c.dims, c.weights, c.temperature),
-        reads=lambda c: reads,
-        bind=None,
-    )
+    return [t.term.name for t in inner]
 
 
-def _reads_on_prefix(t: WeightedTerm) -> frozenset[str]:
-    return t.term.prefix_reads if t.term.prefix_reads is not None else t.term.reads(t.config)
+class MatryoshkaTerm(TermModule):
+    """The matryoshka term in training: it holds the run's built terms it re-evaluates (not as submodules:
+    they are the run's, with their own state) and calls each on the shortened rows."""
+
+    def __init__(self, weighted: WeightedTerm, context: TermContext):
+        super().__init__(weighted, context)
+        names = wraps(self.config, [t.weighted for t in context.terms.values()])
+        self.inner = [context.terms[name] for name in names]  # a list: not registered twice
+
+    def forward(self, rows: Rows, batch: Batch) -> torch.Tensor:
+        c: MatryoshkaConfig = self.config
+        return compute_loss(rows, batch, self.inner, c.dims, c.weights, c.temperature)
 
 
-def _unbound(c: MatryoshkaConfig, out: StepOutput) -> torch.Tensor:
-    raise RuntimeError("the matryoshka term is evaluated once bound to the run's terms (parse_terms)")
+def _held(c: MatryoshkaConfig, rows: Rows, batch: Batch, lent: object) -> torch.Tensor:
+    raise RuntimeError("the matryoshka term is evaluated by its module, which holds the run's built terms")
 
 
 TERM = Term(
     name="matryoshka",
     summary="the run's terms again on re-normalised prefixes of the embedding (Matryoshka dims)",
     config=MatryoshkaConfig,
-    loss=_unbound,
-    reads=lambda c: frozenset({VIEWS}),
+    loss=_held,  # MatryoshkaTerm.forward: over the built terms it holds
+    reads=lambda c: frozenset({VIEWS}),  # and what its terms read, which are in the run themselves
     part="matryoshka",
-    bind=bind,
+    wraps=wraps,
     check_width=check_width,
+    module=MatryoshkaTerm,
     prefix_refusal="it is the matryoshka term",
     describe=lambda fields: {"prefix_dims": fields.get("dims") or DEFAULT_DIMS, "cite": ["matryoshka"]},
 )

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -71,13 +71,18 @@ from pipeline.losses.terms import (
     QUEUE,
     TEACHER,
     VIEWS,
+    Lent,
     Needs,
-    StepOutput,
+    Rows,
     Term,
     TermContext,
     TermModule,
     WeightedTerm,
 )
+
+if TYPE_CHECKING:
+    from pipeline.data.collate import Batch
+    from pipeline.losses.queue import NegativeQueue
 
 
 def compute_loss(
@@ -229,44 +234,54 @@ class LuseConfig:
             raise ConfigError("luse.momentum must be in [0, 1) (0 = no momentum encoder)")
 
 
-def guide_of(c: FalseNegativeConfig, out: StepOutput) -> Guide | None:
+def guide_of(
+    c: FalseNegativeConfig,
+    batch: Batch,
+    num_views: int,
+    queue: NegativeQueue | None,
+    teacher_queue: NegativeQueue | None,
+) -> Guide | None:
     """The false-negative guide of a step: the originals' and the queue's ids, text hashes, teacher; on a
     batch of pair shards the pairs' groups and both sides' hashes (:func:`pair_guide`)."""
-    if out.groups is not None:  # pair shards: the queue keeps the anchors' groups as their ids
-        queued = out.queue is not None
+    queued = queue is not None
+    if batch.groups is not None:  # pair shards: the queue keeps the anchors' groups as their ids
         return pair_guide(
             c,
-            out.groups,
-            out.text_hashes,
-            out.positive_text_hashes,
-            out.views.shape[0],
-            out.queue_ids if queued else None,
-            out.queue_text_hashes if queued else None,
+            batch.groups,
+            batch.text_hashes,
+            batch.positive_text_hashes,
+            num_views,
+            queue.negative_ids() if queued else None,
+            queue.negative_text_hashes() if queued else None,
         )
     return make_guide(
         c,
-        out.ids,
-        out.text_hashes,
-        out.queue_ids if out.queue is not None else None,
-        out.queue_text_hashes if out.queue is not None else None,
-        out.teacher,
-        out.teacher_queue if out.queue is not None else None,
+        batch.ids,
+        batch.text_hashes,
+        queue.negative_ids() if queued else None,
+        queue.negative_text_hashes() if queued else None,
+        batch.teacher,
+        teacher_queue.negatives() if queued and teacher_queue is not None else None,
     )
 
 
-def _term_loss(c: LuseConfig, out: StepOutput) -> torch.Tensor:
-    if out.groups is not None and c.teacher_positive:
+def _term_loss(c: LuseConfig, rows: Rows, batch: Batch, lent: Lent) -> torch.Tensor:
+    """Over the views and hard negatives of ``rows`` (cut to a matryoshka prefix when they are), the run's
+    queue (its own, lent) with its keys cut as the rows are, and the rules' ids, hashes and teacher rows
+    of the batch."""
+    if batch.groups is not None and c.teacher_positive:
         raise ValueError("luse.teacher_positive: not on pair batches (the positive is not the anchor)")
+    views = rows.views  # (n, B, H)
     return compute_loss(
-        out.views,
+        views,
         c.temperature,
-        queue=out.queue,
-        gather=out.gather,
-        teacher=out.teacher if c.teacher_positive else None,
-        hard_negatives=out.hard_negatives,
-        project=out.head,
-        guide=guide_of(c.false_negatives, out),
-        counts=out.counts,
+        queue=None if lent.queue is None else rows.cut(lent.queue.negatives()),  # (filled, H)
+        gather=rows.gather,
+        teacher=batch.teacher if c.teacher_positive else None,
+        hard_negatives=rows.hard_negatives,  # (m, B, H)
+        project=rows.head,
+        guide=guide_of(c.false_negatives, batch, views.shape[0], lent.queue, lent.teacher_queue),
+        counts=rows.counts,
     )
 
 
@@ -301,13 +316,7 @@ class LuseTerm(TermModule):
         self.queue = NegativeQueue(c.queue_size, context.dim) if c.queue_size else None
         keyed = self.queue is not None and needs_forward(c.momentum)
         self.momentum_encoder = MomentumEncoder(context.encoder) if keyed else None
-
-    def lend(self, out: StepOutput) -> None:
-        if self.queue is None:
-            return
-        out.queue = self.queue.negatives()  # (filled, H): read by luse and kl
-        out.queue_ids = self.queue.negative_ids()  # (filled,)
-        out.queue_text_hashes = self.queue.negative_text_hashes()  # (filled,)
+        self.lent.queue = self.queue  # its formula reads it there, as kl and the teacher terms on a prefix do
 
     def after_micro_batch(self, rows: torch.Tensor, inputs: dict[str, torch.Tensor], batch: Any,
                           apply: torch.Tensor | None) -> None:  # fmt: skip

@@ -34,7 +34,7 @@ only (global batches of thousands on GPUs, as BGE and e5 train).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,10 @@ from pipeline.config import option
 from pipeline.distributed import all_gather_no_grad, all_gather_with_grad, rank
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.terms import VIEWS, Needs, StepOutput, Term
+from pipeline.losses.terms import VIEWS, Lent, Needs, Rows, Term
+
+if TYPE_CHECKING:
+    from pipeline.data.collate import Batch
 
 
 def _false_negatives(
@@ -142,24 +145,25 @@ class PairsConfig:
             raise ConfigError("pairs.temperature must be > 0 (try 0.05)")
 
 
-def _term_loss(c: PairsConfig, out: StepOutput) -> torch.Tensor:
-    if out.views.shape[0] != 2:
-        raise ValueError(f"pairs: views must be (2, B, H) (anchor, positive), got {tuple(out.views.shape)}")
-    if out.groups is None:
+def _term_loss(c: PairsConfig, rows: Rows, batch: Batch, lent: Lent) -> torch.Tensor:
+    views = rows.views  # (2, B, H) anchor, positive
+    if views.shape[0] != 2:
+        raise ValueError(f"pairs: views must be (2, B, H) (anchor, positive), got {tuple(views.shape)}")
+    if batch.groups is None:
         raise ValueError("pairs: the batch carries no group ids (batches of pair shards do)")
-    if c.same_text and (out.text_hashes is None or out.positive_text_hashes is None):
+    if c.same_text and (batch.text_hashes is None or batch.positive_text_hashes is None):
         raise ValueError("pairs.same_text: the batch carries no text hashes of both sides")
-    hashes: Any = out.text_hashes if c.same_text else None
+    hashes: Any = batch.text_hashes if c.same_text else None
     return compute_loss(
-        out.views[0],
-        out.views[1],
+        views[0],
+        views[1],
         c.temperature,
         c.symmetric,
-        gather=out.gather,
-        groups=out.groups,
+        gather=rows.gather,
+        groups=batch.groups,
         anchor_hashes=hashes,
-        positive_hashes=out.positive_text_hashes if hashes is not None else None,
-        counts=out.counts,
+        positive_hashes=batch.positive_text_hashes if hashes is not None else None,
+        counts=rows.counts,
     )
 
 

@@ -33,6 +33,7 @@ per-rank losses still average to the global loss); a view of the anchor's own se
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,10 @@ from pipeline.config import option
 from pipeline.distributed import all_gather_no_grad, all_gather_with_grad, rank
 from pipeline.losses._precision import at_least_float32
 from pipeline.losses.false_negatives import FalseNegativeConfig, Guide, make_guide, sentence_mask
-from pipeline.losses.terms import TEACHER, VIEWS, StepOutput, Term
+from pipeline.losses.terms import TEACHER, VIEWS, Lent, Rows, Term
+
+if TYPE_CHECKING:
+    from pipeline.data.collate import Batch
 
 SELF_SIMILARITY = 0.99999  # LUSE's value on the diagonal (a probability of exactly 1 would be log(0))
 
@@ -107,9 +111,9 @@ class PairwiseBCEConfig:
     )
 
 
-def _term_loss(c: PairwiseBCEConfig, out: StepOutput) -> torch.Tensor:
-    guide = make_guide(c.false_negatives, out.ids, out.text_hashes, teacher=out.teacher)
-    return compute_loss(out.views, gather=out.gather, guide=guide, counts=out.counts)  # views (n, B, H)
+def _term_loss(c: PairwiseBCEConfig, rows: Rows, batch: Batch, lent: Lent) -> torch.Tensor:
+    guide = make_guide(c.false_negatives, batch.ids, batch.text_hashes, teacher=batch.teacher)
+    return compute_loss(rows.views, gather=rows.gather, guide=guide, counts=rows.counts)  # (n, B, H)
 
 
 TERM = Term(

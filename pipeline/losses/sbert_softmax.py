@@ -53,7 +53,7 @@ TERM = Term(
     summary="Sentence-BERT softmax classifier over labelled pairs (pairs file)",
     config=SbertConfig,
     # views (2, B, H): the two sides u, v; labels (B,) class indices
-    loss=lambda c, out: compute_loss(out.views[0], out.views[1], out.labels, out.head),
+    loss=lambda c, rows, batch, lent: compute_loss(*rows.views, batch.labels, rows.head),
     reads=lambda c: frozenset({PAIRS, LABELS}),
     part="contrastive",
     data="pairs",

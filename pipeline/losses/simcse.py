@@ -67,7 +67,7 @@ TERM = Term(
     name="simcse",
     summary="unsupervised SimCSE, 2 dropout views (shards)",
     config=SimCSEConfig,
-    loss=lambda c, out: compute_loss(out.views, c.temperature, gather=out.gather),  # views (2, B, H)
+    loss=lambda c, rows, batch, lent: compute_loss(rows.views, c.temperature, gather=rows.gather),
     reads=lambda c: frozenset({VIEWS}),
     part="contrastive",
     data="shards",

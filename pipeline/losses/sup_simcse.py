@@ -65,7 +65,7 @@ TERM = Term(
     summary="supervised SimCSE with hard negatives (triples file)",
     config=SupSimCSEConfig,
     # views (3, B, H): anchor, positive, negative
-    loss=lambda c, out: compute_loss(*out.views, c.temperature, gather=out.gather),
+    loss=lambda c, rows, batch, lent: compute_loss(*rows.views, c.temperature, gather=rows.gather),
     reads=lambda c: frozenset({PAIRS}),
     part="contrastive",
     data="triples",

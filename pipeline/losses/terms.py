@@ -1,6 +1,6 @@
 """The training loss as a list of weighted terms (as sentence-transformers' trainer sums a dict of losses).
 
-A run's loss is ``sum_i weight_i * term_i(step output)``, written in the training config as::
+A run's loss is ``sum_i weight_i * term_i(rows, batch)``, written in the training config as::
 
     loss:
       - luse: {temperature: 0.05, queue_size: 256, momentum: 0.995}
@@ -9,11 +9,15 @@ A run's loss is ``sum_i weight_i * term_i(step output)``, written in the trainin
         weight: 0.1
 
 Each term lives beside its formula (one file per loss) as a :class:`Term`: its small config dataclass,
-what it reads from the step's :class:`StepOutput` (views, pairs, labels, teacher, hard negatives, queue,
-MLM logits), what batch columns and heads it needs (:class:`Needs`: an MLM head and masked originals,
-text hashes; a queue's size for the data checks) and its loss. In training the loss is built once per run
-and kept: :class:`TrainLoss`, a ``ModuleDict`` of :class:`TermModule` (a term with state subclasses it in
-its own file: luse holds its negative queue and momentum encoder, kl its teacher queue). The trainer calls
+what it reads (views, pairs, labels, teacher, hard negatives, queue, MLM logits), what batch columns and
+heads it needs (:class:`Needs`: an MLM head and masked originals, text hashes; a queue's size for the
+data checks) and its loss. In training the loss is built once per run and kept: :class:`TrainLoss`, a
+``ModuleDict`` of :class:`TermModule`, each called as ``term(rows, batch)``: :class:`Rows`, what the
+model gave (the views and hard negatives, the MLM logits, the head), and the typed
+:class:`~pipeline.data.collate.Batch`, from which the term reads its own columns. A term with state
+subclasses :class:`TermModule` in its own file (luse holds its negative queue and momentum encoder, kl
+its teacher queue) and lends what others read of it through one small record, :class:`Lent`; a term
+over others (matryoshka) is handed them, built, and calls them on shortened rows. The trainer calls
 only :class:`TrainLoss`'s methods (the loss, ``after_micro_batch``, ``after_step``, ``states``) and never
 asks for a term by name. ``TERMS`` (pipeline/losses/__init__.py) is the registry, the one list of term
 names.
@@ -29,43 +33,96 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import ConfigError, InputError
+from pipeline.losses._precision import at_least_float32
 
-# What a term may read from a StepOutput (Term.reads).
+if TYPE_CHECKING:
+    from pipeline.data.collate import Batch
+    from pipeline.losses.queue import NegativeQueue
+
+# What a term reads (Term.reads): the rows the model gave (the views, a pair's texts, the hard negatives,
+# the MLM logits), the batch's labels and teacher rows, the run's negative queue (lent by the term that
+# holds it, :class:`Lent`).
 VIEWS, PAIRS, LABELS, TEACHER = "views", "pairs", "labels", "teacher"
 HARD_NEGATIVES, QUEUE, MLM_LOGITS = "hard_negatives", "queue", "mlm_logits"
 
 
-@dataclass
-class StepOutput:
-    """Everything one (micro-)batch's model step gives the loss, for this rank."""
+@dataclass(frozen=True)
+class Prefix:
+    """A matryoshka prefix the rows were cut to: every embedding a term compares with them (a queue's
+    keys) is cut the same way (:meth:`Rows.cut`); ``temperature`` is what a teacher term's in-batch
+    similarity distillation takes there (pipeline/losses/matryoshka.py)."""
 
-    views: torch.Tensor  # (n_views, B, H) L2-normalised: the views of each sentence (or a pair's texts)
+    dim: int
+    temperature: float
+
+
+Encoded = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # the model's rows (N, H), or (rows, MLM logits)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """What the model gave for one micro-batch, laid out as the :class:`Batch` (pipeline/data/collate.py)
+    says (``num_views`` and ``num_hard_negatives``): what every term reads beside the batch's columns."""
+
+    views: torch.Tensor  # (n, B, H) L2-normalised: view v of sentence b at [v, b] (a pair: anchor, positive)
     hard_negatives: torch.Tensor | None = None  # (m, B, H): negative j of sentence b at [j, b]
-    labels: torch.Tensor | None = None  # (B,) scores or class ids (the supervised terms)
-    teacher: torch.Tensor | None = None  # (B, D_t) teacher embeddings of the originals
-    queue: torch.Tensor | None = None  # (Q, H) student keys of earlier steps, identical on every rank
-    teacher_queue: torch.Tensor | None = None  # (Q, D_t) teacher embeddings of the queued sentences
     mlm_logits: torch.Tensor | None = None  # (B, L, V) the MLM head over the masked originals
-    mlm_labels: torch.Tensor | None = None  # (B, L) token ids at the masked positions, -100 elsewhere
     head: nn.Module | None = None  # the trainable head (sbert classifier or the teacher projection)
     gather: bool = True  # gather candidates across ranks (a collective)
-    ids: torch.Tensor | None = None  # (B,) int64 sentence ids of the originals (false-negative control)
-    text_hashes: torch.Tensor | None = None  # (B,) int64 hashes of their normalised texts
-    queue_ids: torch.Tensor | None = None  # (Q,) int64 sentence ids of the queued keys
-    queue_text_hashes: torch.Tensor | None = None  # (Q,) int64 text hashes of the queued keys
-    # Batches of pair shards (pipeline/losses/pairs.py): views (anchor, positive); text_hashes the anchors'
-    groups: torch.Tensor | None = None  # (B,) int64 group ids of the pairs (never each other's negatives)
-    positive_text_hashes: torch.Tensor | None = None  # (B,) int64 text hashes of the positives
-    teacher_positive: torch.Tensor | None = None  # (B, D_t) teacher embeddings of the positives
-    # Counts a term reports besides its value (luse's ``false_negatives``: candidates it masked); the
-    # loss returns them beside the parts, so they are logged with them.
+    prefix: Prefix | None = None  # the rows are a matryoshka prefix (None: the full width)
+    # Counts a term reports besides its value (luse's ``false_negatives``: candidates it masked); the loss
+    # returns them beside the parts, so they are logged with them.
     counts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    @staticmethod
+    def of(encoded: Encoded, batch: Batch, head: nn.Module | None) -> Rows:
+        """What the model's forward returned, the rows (N, H) or (rows, MLM logits (B, L, V)), laid out
+        by ``batch``: rows [0, n*B) are the n views, rows [n*B, (n+m)*B) the m hard negatives."""
+        rows, mlm_logits = encoded if isinstance(encoded, tuple) else (encoded, None)
+        n, m = batch.num_views, batch.num_hard_negatives
+        b, h = rows.shape[0] // (n + m), rows.shape[-1]
+        hard_negatives = rows[n * b :].view(m, b, h) if m else None  # (m, B, H)
+        return Rows(rows[: n * b].view(n, b, h), hard_negatives, mlm_logits, head)  # views (n, B, H)
+
+    def cut(self, keys: torch.Tensor) -> torch.Tensor:
+        """Student embeddings of elsewhere (a queue's (Q, H) keys) as these rows are: the same prefix."""
+        return keys if self.prefix is None else prefix_of(keys, self.prefix.dim)
+
+    def shortened(self, dim: int, temperature: float) -> Rows:
+        """These rows cut to their re-normalised ``dim``-prefix, without the head (no projection of a
+        prefix); the counts stay shared."""
+        negatives = self.hard_negatives  # (m, B, H) -> (m, B, dim)
+        negatives = None if negatives is None else prefix_of(negatives, dim)
+        return dataclasses.replace(
+            self,
+            views=prefix_of(self.views, dim),  # (n, B, dim)
+            hard_negatives=negatives,
+            head=None,
+            prefix=Prefix(dim, temperature),
+        )
+
+
+def prefix_of(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The first ``dim`` dimensions of (..., H) embeddings, re-normalised: (..., dim)."""
+    return F.normalize(at_least_float32(x[..., :dim]), dim=-1)
+
+
+@dataclass
+class Lent:
+    """The state one term holds and others read, lent for the run: the negative queue (luse's: its keys,
+    ids and text hashes, read by kl and the teacher terms on a prefix) and the teacher rows of the same
+    queued sentences (kl's, read by luse's teacher_margin rule). The terms that hold them put them here
+    when they are built (:class:`TermContext`); None: the run has none."""
+
+    queue: NegativeQueue | None = None
+    teacher_queue: NegativeQueue | None = None
 
 
 @dataclass(frozen=True)
@@ -111,7 +168,8 @@ class Term:
     name: str  # the key in the config's ``loss`` list
     summary: str  # one line for --help and docs
     config: type  # its config dataclass (fields documented with ``option``)
-    loss: Callable[[Any, StepOutput], torch.Tensor]  # (its config, the step output) -> scalar
+    # (its config, the rows the model gave, the batch, the state the run's terms lend) -> scalar
+    loss: Callable[[Any, Rows, Batch, Lent], torch.Tensor]
     reads: Callable[[Any], frozenset[str]]  # what it reads, given its config
     part: str  # the logged name of its value (``{part}_loss``): contrastive, distill, kl, mlm
     data: str | None = None  # a main term's: "shards", "pair_shards", "pairs", "triples"; None: the originals
@@ -124,20 +182,18 @@ class Term:
     label_dtype: torch.dtype | None = None  # labels of a supervised file (None: no label column)
     make_head: Callable[[Any, int], nn.Module] | None = None  # (its config, dim): a head of its own
     projects: Callable[[Any], bool] = lambda config: False  # compares student and teacher vectors
-    # A term over the run's other terms (matryoshka): (its config, the run's terms) -> the term bound to
-    # them, which parse_terms puts in its place; a ConfigError when they do not fit.
-    bind: Callable[[Any, list[WeightedTerm]], Term] | None = None
+    # A term over the run's other terms (matryoshka): (its config, the run's terms) -> the names of those
+    # it wraps (its module is handed them, built); a ConfigError when they do not fit.
+    wraps: Callable[[Any, list[WeightedTerm]], list[str]] | None = None
     check_width: Callable[[Any, int], None] | None = None  # (its config, the encoder's width): ConfigError
     needs: Callable[[Any], Needs] = lambda config: Needs()  # its state and batch columns (Needs)
     # The module class that evaluates it in training (:class:`TermModule`: a term with state of its own,
-    # a queue or a momentum encoder, subclasses it beside its formula); None: the stateless TermModule.
+    # a queue or a momentum encoder, or over other terms, subclasses it beside its formula); None: the
+    # stateless TermModule.
     module: type | None = None
-    # On a re-normalised prefix of the embedding (the matryoshka term): why it cannot be taken there
-    # (None: it can), and its own formula there when that differs from ``loss`` on the shortened output:
-    # (its config, the shortened output, the full output, matryoshka's temperature) -> scalar.
+    # Why it cannot be taken on a re-normalised prefix of the embedding (the matryoshka term; None: it
+    # can, and its forward on shortened rows (:attr:`Rows.prefix`) is its value there).
     prefix_refusal: str | None = None
-    prefix_loss: Callable[[Any, StepOutput, StepOutput, float], torch.Tensor] | None = None
-    prefix_reads: frozenset[str] | None = None  # what ``prefix_loss`` reads (None: ``reads``)
     # What the model card says of the term, from its fields as config.yaml saved them: {"rows": [(what,
     # value)], "cite": [citation keys], "prefix_dims": [widths it trained]}, each optional
     describe: Callable[[dict[str, Any]], dict[str, Any]] = lambda fields: {}
@@ -150,8 +206,24 @@ class WeightedTerm:
     weight: float
 
 
+@dataclass(frozen=True)
+class Columns:
+    """What a run's terms ask every batch to carry, said in one place (:meth:`Loss.columns`); the data plan
+    holds it against the shards' manifest (:func:`pipeline.train.plan.check_against_data`)."""
+
+    source: str  # where batches come from: "shards", "pair_shards", "pairs" or "triples" (a supervised file)
+    num_variants: int  # k: cached EDA variants after each original (shards; the config's, at most)
+    num_dropout_views: int  # d: dropout re-encodings after them (all n - 1 views when no term reads variants)
+    teacher: bool  # a term reads the teacher's rows (the shards must hold them)
+    text_hashes: bool  # hashes of the normalised texts (a same_text false-negative rule)
+    mlm_probability: float | None  # originals masked at this rate (the MLM head's labels); None: none
+    num_texts: int  # a supervised file's texts per record
+    label_dtype: torch.dtype | None  # a supervised file's label column (None: no labels)
+
+
 class Loss:
-    """The weighted sum of a run's terms; ``loss(output)`` gives the total and each term's value."""
+    """A run's weighted terms as the config gave them, before anything is built: where the batches come
+    from, their views and columns (:meth:`columns`), the head. :class:`TrainLoss` is built from it."""
 
     def __init__(self, terms: list[WeightedTerm]):
         self.terms = terms
@@ -187,6 +259,21 @@ class Loss:
             return num_variants, num_dropout_views
         return 0, self.num_views(num_variants, num_dropout_views) - 1
 
+    def columns(self, num_variants: int, num_dropout_views: int) -> Columns:
+        """What every batch carries for these terms, given the config's views (``data.num_variants`` and
+        ``num_dropout_views``)."""
+        k, d = self.shard_views(num_variants, num_dropout_views)
+        return Columns(
+            source=self.data,
+            num_variants=k,
+            num_dropout_views=d,
+            teacher=self.reads(TEACHER),
+            text_hashes=self.needs.text_hashes,  # they cost the loader workers and a gather per step
+            mlm_probability=self.needs.mlm_probability,
+            num_texts=self.num_views(0, 0),
+            label_dtype=self.main.label_dtype if self.main is not None else None,
+        )
+
     def build_head(self, dim: int, teacher_dim: int) -> nn.Module | None:
         """The trainable head: the main term's own (sbert), else the student->teacher projection when a
         term compares student and teacher vectors of different widths (trained, never exported)."""
@@ -202,25 +289,6 @@ class Loss:
         if projects and teacher_dim and teacher_dim != dim:
             return projection_head(dim, teacher_dim)
         return None
-
-    def check(self, out: StepOutput) -> None:
-        """An InputError when the batch lacks what a term reads, or holds what none reads."""
-        if out.teacher is None and self.reads(TEACHER):
-            raise InputError(
-                "loss: a term reads teacher embeddings but the batch has no teacher embeddings; add a "
-                "`teacher` column to the shards (the teacher stage) or remove the distill/kl terms and "
-                "luse.teacher_positive"
-            )
-        if out.hard_negatives is not None and not self.reads(HARD_NEGATIVES):
-            raise InputError("loss: hard negatives in the batch but no term reads them; use luse")
-
-    def __call__(self, out: StepOutput) -> dict[str, torch.Tensor]:
-        """``loss`` (the weighted total) and each term's value under its ``part`` name (stateless terms:
-        the queue, if any, is already in ``out``; training evaluates the built :class:`TrainLoss`)."""
-        self.check(out)
-        parts = {t.term.part: t.term.loss(t.config, out) for t in self.terms}
-        total: Any = sum(t.weight * parts[t.term.part] for t in self.terms)
-        return {"loss": total, **parts, **out.counts}
 
 
 # ---------------------------------------------------------------------------------------- training
@@ -247,28 +315,36 @@ class LossOut:
 @dataclass(frozen=True)
 class TermContext:
     """What a term module may build its state from: the online encoder (a momentum copy), its width,
-    the teacher's width (the shards' manifest; 0: none) and the run's merged :class:`Needs`."""
+    the teacher's width (the shards' manifest; 0: none), the run's merged :class:`Needs`, the
+    :class:`Lent` record the terms share their state through, and (for a term over others, matryoshka)
+    the run's other terms, built."""
 
     encoder: nn.Module
     dim: int
     teacher_dim: int
     needs: Needs
+    lent: Lent = dataclasses.field(default_factory=Lent)
+    terms: dict[str, TermModule] = dataclasses.field(default_factory=dict)
 
 
 class TermModule(nn.Module):
     """One weighted term of the loss as a module, built once per run (:class:`TrainLoss`).
 
-    ``forward(out)`` is the term's formula on the step output; a term with state (luse's negative queue
-    and momentum encoder, kl's teacher queue) subclasses this beside its formula and keeps the state as
-    its own submodules, so it is in the term's ``state_dict``. The trainer knows the state only through
-    the methods below, never by name: :meth:`lend` (what the state adds to a step output),
-    :meth:`after_micro_batch` (enqueue), :meth:`after_step` (the momentum update), :meth:`states` (what a
-    checkpoint holds, under the names checkpoints have always used), :meth:`report` (logged values).
+    ``forward(rows, batch)`` is the term's value on what the model gave (:class:`Rows`) and the typed
+    batch; it reads what its :attr:`Term.reads` declares. A term with state (luse's negative queue and
+    momentum encoder, kl's teacher queue) subclasses this beside its formula and keeps the state as its
+    own submodules, so it is in the term's ``state_dict``; what another term reads of it, it lends through
+    the run's :class:`Lent` when it is built. The trainer knows the state only through the methods below,
+    never by name: :meth:`after_micro_batch` (enqueue), :meth:`after_step` (the momentum update),
+    :meth:`states` (what a checkpoint holds, under the names checkpoints have always used), :meth:`report`
+    (logged values).
     """
 
     def __init__(self, weighted: WeightedTerm, context: TermContext):
         super().__init__()
+        self.weighted = weighted
         self.term, self.config, self.weight = weighted.term, weighted.config, weighted.weight
+        self.lent = context.lent  # what the run's terms lend each other (a plain record, not a submodule)
 
     @property
     def part(self) -> str:
@@ -277,11 +353,8 @@ class TermModule(nn.Module):
     def reads(self) -> frozenset[str]:
         return self.term.reads(self.config)
 
-    def lend(self, out: StepOutput) -> None:
-        """Put what this term's state gives every term into the step output (a queue's rows)."""
-
-    def forward(self, out: StepOutput) -> torch.Tensor:  # () the term's unweighted value
-        return self.term.loss(self.config, out)
+    def forward(self, rows: Rows, batch: Batch) -> torch.Tensor:  # () the term's unweighted value
+        return self.term.loss(self.config, rows, batch, self.lent)
 
     def after_micro_batch(self, rows: torch.Tensor, inputs: dict[str, torch.Tensor], batch: Any,
                           apply: torch.Tensor | None) -> None:  # fmt: skip
@@ -313,67 +386,48 @@ class TermModule(nn.Module):
         return {}
 
 
-def step_output(encoded: torch.Tensor | tuple[torch.Tensor, torch.Tensor], batch: Any,
-                head: nn.Module | None) -> StepOutput:  # fmt: skip
-    """The step output of one micro-batch: ``encoded`` is what the model's forward returned, the rows
-    (N, H), or (rows, MLM logits (B, L, V)) with an MLM head. Rows [0, n*B) are the n views, rows
-    [n*B, (n+m)*B) the m hard negatives of each sentence. ``batch`` a :class:`pipeline.data.collate.Batch`.
-    """
-    rows, mlm_logits = encoded if isinstance(encoded, tuple) else (encoded, None)
-    n, m = batch.num_views, batch.num_hard_negatives
-    b = rows.shape[0] // (n + m)
-    device = rows.device
-
-    def to(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x.to(device, non_blocking=True)
-
-    return StepOutput(
-        views=rows[: n * b].view(n, b, rows.shape[-1]),  # (n, B, H)
-        hard_negatives=rows[n * b :].view(m, b, rows.shape[-1]) if m else None,  # (m, B, H)
-        labels=None if batch.labels is None else batch.labels.to(device),
-        teacher=to(batch.teacher),  # (B, D_t)
-        mlm_logits=mlm_logits,
-        mlm_labels=None if mlm_logits is None else to(batch.mlm_labels),  # (B, L)
-        head=head,
-        ids=to(batch.ids),  # (B,) int64: false-negative control
-        text_hashes=to(batch.text_hashes),
-        groups=to(batch.groups),  # pair shards
-        positive_text_hashes=to(batch.positive_text_hashes),
-        teacher_positive=to(batch.teacher_positive),
-    )
-
-
 class TrainLoss(nn.Module):
     """The run's loss, built once and kept by the trainer: a ``ModuleDict`` of its weighted terms (each a
-    :class:`TermModule`, holding its own state). ``loss(encoded, batch, head)`` is the weighted sum over
-    one micro-batch (:class:`LossOut`); :meth:`after_micro_batch` and :meth:`after_step` let each term
-    update its state; :meth:`states` is what the checkpoint holds of them."""
+    :class:`TermModule`, holding its own state). ``loss(rows, batch)`` is the weighted sum over one
+    micro-batch (:class:`LossOut`); :meth:`after_micro_batch` and :meth:`after_step` let each term update
+    its state; :meth:`states` is what the checkpoint holds of them."""
 
     def __init__(self, plan: Loss, context: TermContext):
         super().__init__()
         self.plan = plan  # the stateless description (data, views, needs) the config checks read
-        self.terms = nn.ModuleDict(
-            {t.term.name: (t.term.module or TermModule)(t, context) for t in plan.terms}
-        )
+        context = dataclasses.replace(context, lent=Lent(), terms={})  # one record the run's terms share
+        built: dict[str, TermModule] = {}
+        for t in plan.terms:  # the terms over others (matryoshka) last: they are handed the others, built
+            if t.term.wraps is None:
+                built[t.term.name] = (t.term.module or TermModule)(t, context)
+        for t in plan.terms:
+            if t.term.wraps is not None:
+                built[t.term.name] = t.term.module(t, dataclasses.replace(context, terms=dict(built)))
+        self.terms = nn.ModuleDict({t.term.name: built[t.term.name] for t in plan.terms})  # config order
 
     @property
     def parts(self) -> set[str]:
         return {t.part for t in self.terms.values()}
 
-    def forward(self, encoded: torch.Tensor | tuple[torch.Tensor, torch.Tensor], batch: Any,
-                head: nn.Module | None = None) -> LossOut:  # fmt: skip
-        out = step_output(encoded, batch, head)
-        for t in self.terms.values():
-            t.lend(out)
-        return self.evaluate(out)
-
-    def evaluate(self, out: StepOutput) -> LossOut:
-        """Every term on a step output, and their weighted sum."""
-        self.plan.check(out)
+    def forward(self, rows: Rows, batch: Batch) -> LossOut:
+        """Every term on one micro-batch's rows and batch, and their weighted sum."""
+        batch = batch.sentences_to(rows.views.device)  # per-sentence columns, once for every term
+        self.check(batch)
         terms = list(self.terms.values())
-        parts = {t.part: t(out) for t in terms}
+        parts = {t.part: t(rows, batch) for t in terms}
         total: Any = sum(t.weight * parts[t.part] for t in terms)
-        return LossOut(total, parts, out.counts)
+        return LossOut(total, parts, rows.counts)
+
+    def check(self, batch: Batch) -> None:
+        """An InputError when the batch lacks what a term reads, or holds what none reads."""
+        if batch.teacher is None and self.plan.reads(TEACHER):
+            raise InputError(
+                "loss: a term reads teacher embeddings but the batch has no teacher embeddings; add a "
+                "`teacher` column to the shards (the teacher stage) or remove the distill/kl terms and "
+                "luse.teacher_positive"
+            )
+        if batch.num_hard_negatives and not self.plan.reads(HARD_NEGATIVES):
+            raise InputError("loss: hard negatives in the batch but no term reads them; use luse")
 
     def after_micro_batch(self, rows: torch.Tensor, inputs: dict[str, torch.Tensor], batch: Any,
                           apply: torch.Tensor | None = None) -> None:  # fmt: skip
@@ -438,7 +492,10 @@ def parse_terms(entries: list[dict[str, Any]], registry: dict[str, Term]) -> lis
         raise ConfigError(
             f"loss: {' and '.join(main)} each decide the batch's data and views; keep one of them"
         )
-    return [WeightedTerm(t.term.bind(t.config, out), t.config, t.weight) if t.term.bind else t for t in out]
+    for t in out:
+        if t.term.wraps is not None:  # a term over the others (matryoshka) checks that they fit
+            t.term.wraps(t.config, out)
+    return out
 
 
 def as_entries(terms: list[WeightedTerm]) -> list[dict[str, Any]]:

@@ -15,18 +15,18 @@ from typing import Any
 import torch
 
 from pipeline.data.collate import Batch
-from pipeline.losses.terms import LossOut
+from pipeline.losses.terms import Encoded, LossOut, Rows
 from pipeline.train.build import Trainer
 from pipeline.train.gradcache import chunked_forward_backward
 from pipeline.train.guard import DeviceCheck, StepCheck, device_verdict, grad_norm, step_verdict
 
 
-def term_loss(t: Trainer, encoded: torch.Tensor | tuple[torch.Tensor, torch.Tensor], mb: Batch) -> LossOut:
-    """The loss over one micro-batch (the run's built :class:`~pipeline.losses.terms.TrainLoss`: the
-    weighted total, each term's value and the counts terms report), as the hooks leave it
-    (``Callbacks.on_loss``). ``encoded`` is what the model's forward returned: the rows (N, H), or
-    (rows, MLM logits (B, L, V)) when the model has an MLM head."""
-    return t.callbacks.on_loss(t, mb, t.loss(encoded, mb, t.module.head))
+def term_loss(t: Trainer, encoded: Encoded, mb: Batch) -> LossOut:
+    """The loss over one micro-batch (the run's built :class:`~pipeline.losses.terms.TrainLoss` on the
+    :class:`~pipeline.losses.terms.Rows` the model gave and the batch: the weighted total, each term's
+    value and the counts terms report), as the hooks leave it (``Callbacks.on_loss``). ``encoded`` is what
+    the model's forward returned: the rows (N, H), or (rows, MLM logits (B, L, V)) with an MLM head."""
+    return t.callbacks.on_loss(t, mb, t.loss(Rows.of(encoded, mb, t.module.head), mb))
 
 
 def forward(t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch) -> Any:
@@ -152,14 +152,14 @@ def judge_and_step(t: Trainer, result: StepResult, guard: GuardPolicy) -> None:
 
 
 class Engine:
-    """One optimizer step over a rank's micro-batches, ``engine(t, micro_batches, guard)``: the one
+    """One optimizer step over a rank's micro-batches, ``engine.run(t, micro_batches, guard)``: the one
     micro-batch loop every engine shares. Each micro-batch: :meth:`forward_backward` (rows = forward(batch);
     out = loss(rows, batch); backward), then at the last :meth:`step`; when the step is applied (as far as
     the host knows) the loss's terms update their state (``t.loss.after_micro_batch``: enqueue, a
     collective). Each micro-batch enqueues before the verdict is known: with several micro-batches under
     the guard the terms' queues are copied first and put back when the step is refused."""
 
-    def __call__(self, t: Trainer, mbs: list[Batch], guard: GuardPolicy | None = None) -> StepResult:
+    def run(self, t: Trainer, mbs: list[Batch], guard: GuardPolicy | None = None) -> StepResult:
         guard = guard_policy(t) if guard is None else guard
         acc = t.accelerator
         snapshot = t.loss.snapshot() if guard.judges and len(mbs) > 1 else []

@@ -34,6 +34,7 @@ from pipeline.train.build import Trainer
 from pipeline.train.callbacks import Callbacks, as_callbacks
 from pipeline.train.checkpointing import RunCheckpoints, finish
 from pipeline.train.engines import (
+    Engine,
     StepResult,
     backward_and_step,
     guard_policy,
@@ -58,8 +59,8 @@ def train_step(t: Trainer, batch: Batch) -> dict[str, Any]:
     Deferred, ``out["verdict"]`` is the verdict still on the device (``engines.deferred``).
     """
     t.schedule.apply(t.state.step)  # before backward: DeepSpeed steps inside accelerator.backward
-    engine = t.engine or backward_and_step(t)  # chosen once by train(); a bare call chooses here
-    result = engine(t, micro_batches(batch, t.cfg.train.grad_accum_steps), t.guard)
+    engine: Engine = t.engine or backward_and_step(t)  # chosen once by train(); a bare call chooses here
+    result = engine.run(t, micro_batches(batch, t.cfg.train.grad_accum_steps), t.guard)
     if result.applied:
         t.loss.after_step(t.module.encoder, result.apply)  # e.g. the momentum encoder follows
         t.state.step += 1  # deferred: provisional, a skip found at the next log step is taken back

@@ -2,7 +2,9 @@
 
 :func:`check_against_data` holds the config against the world size and the shard set's manifest (read
 once by :func:`pipeline.shards.read_shard_set`; None for a supervised file) and returns a
-:class:`DataPlan`: what every batch will carry, with the teacher's width taken from the manifest.
+:class:`DataPlan`: what every batch will carry, in one place: the columns the loss's terms ask for
+(:meth:`pipeline.losses.terms.Loss.columns`: views, teacher rows, text hashes, MLM masking, labels)
+held against what the manifest records, with the teacher's width taken from it.
 :func:`pipeline.train.build.build_stream` builds the batches from the plan, and the projection head and
 the teacher queue take their width from it; nothing after it asks the manifest again. Checks that need
 only the config stay in ``Config.__post_init__``; every mistake here is one :class:`ConfigError` line
@@ -23,8 +25,6 @@ from pipeline.data.labelled import PairTeacher, check_pair_teacher
 from pipeline.data.sources import pair_batches, pair_dropout_views, refuse_pair_options
 from pipeline.data.token_ids import ids_usable
 from pipeline.errors import ConfigError
-from pipeline.losses import Loss
-from pipeline.losses.terms import TEACHER
 from pipeline.shards import MANIFEST, ShardSet
 from pipeline.vectors import describe, matches, stored_dtype
 
@@ -82,13 +82,13 @@ def check_against_data(
         )
     if loss.needs.queue_size:
         validate_queue_size(loss.needs.queue_size, per_rank // accum)
+    columns = loss.columns(d.num_variants, d.num_dropout_views)  # what the terms ask every batch to carry
     if shard_set is None:
         refuse_pair_options(d, False)
-        labels = loss.main.label_dtype if loss.main is not None else None  # the supervised file's term
         vectors = check_pair_teacher(d) if d.supervised_teacher is not None else None  # its teacher's
         width = None if vectors is None else vectors.dim
         refuse_holdout(d, vectors is not None, False)  # data.holdout_rows reads teacher vectors
-        return DataPlan(source=loss.data, num_texts=loss.num_views(0, 0), label_dtype=labels,
+        return DataPlan(source=columns.source, num_texts=columns.num_texts, label_dtype=columns.label_dtype,
                         teacher=vectors is not None, teacher_dim=width, pair_teacher=vectors)  # fmt: skip
     pairs = pair_batches(loss, shard_set)  # pair shards vs the loss (pipeline/data/sources.py)
     variants = loss.main is not None and loss.main.uses_variants and not pairs  # pairs: no variants
@@ -99,28 +99,28 @@ def check_against_data(
             f"{shard_set.num_variants} or re-run augment with more variants"
         )
     refuse_pair_options(d, pairs)  # data.one_source_per_batch and pair_max_rank need pair shards
-    teacher, teacher_dim = resolve_teacher(d, loss, shard_set)
+    teacher, teacher_dim = resolve_teacher(d, columns.teacher, shard_set)
     refuse_holdout(d, teacher, pairs)
     if variants and d.num_variants + d.num_dropout_views < 1 and not loss.needs.teacher_positive:
         raise ConfigError(  # on pair shards the partner is a positive (config.py checks the other terms)
             f"{loss.main.name} needs at least one positive: set data.num_variants or num_dropout_views "
             ">= 1 (or luse.teacher_positive), or train on pair shards (docs/pairs.md)"
         )
-    k, views = loss.shard_views(d.num_variants, d.num_dropout_views)
+    k, views = columns.num_variants, columns.num_dropout_views
     if pairs:  # (anchor, positive) and, with luse, d dropout re-encodings of the anchor
         k, views = 0, pair_dropout_views(loss, d)
     return DataPlan(
-        source=loss.data,
+        source=columns.source,
         shard_set=shard_set,
         num_variants=k,
         num_dropout_views=views,
         teacher=teacher,
         teacher_dim=teacher_dim,
         token_ids=not pairs and usable_token_ids(shard_set, tokenizer, prefix, d.max_length),
-        text_hashes=loss.needs.text_hashes,  # they cost the loader workers and a gather per step
+        text_hashes=columns.text_hashes,
         num_hard_negatives=d.num_hard_negatives,
         pairs=pairs,
-        mlm_probability=loss.needs.mlm_probability,
+        mlm_probability=columns.mlm_probability,
     )
 
 
@@ -165,12 +165,13 @@ def recorded_teacher(
     return teacher
 
 
-def resolve_teacher(d: DataConfig, loss: Loss, shard_set: ShardSet) -> tuple[bool, int | None]:
+def resolve_teacher(d: DataConfig, read: bool, shard_set: ShardSet) -> tuple[bool, int | None]:
     """(whether batches carry the teacher's vectors, the teacher's width from the manifest).
 
     They carry them when ``data.teacher`` names the shards' teacher, or when a loss term reads teacher
-    vectors and the shards hold some (logged). A term that reads them from shards without any is refused
-    here rather than at the first step. ``data.teacher_dim``, when set, must equal the recorded width.
+    vectors (``read``, :attr:`~pipeline.losses.terms.Columns.teacher`) and the shards hold some (logged).
+    A term that reads them from shards without any is refused here rather than at the first step.
+    ``data.teacher_dim``, when set, must equal the recorded width.
     """
     recorded = recorded_teacher(shard_set, d.teacher, d.num_hard_negatives)
     width = None if recorded is None or recorded.get("dim") is None else int(recorded["dim"])
@@ -183,7 +184,7 @@ def resolve_teacher(d: DataConfig, loss: Loss, shard_set: ShardSet) -> tuple[boo
         )
     if d.teacher is not None:
         return True, width
-    if loss.reads(TEACHER):
+    if read:
         if recorded is None:
             raise ConfigError(
                 f"a loss term reads teacher embeddings but {manifest} records no teacher; encode the "
