@@ -119,3 +119,19 @@ def test_an_eval_folder_without_a_scored_set_is_a_one_line_error(tmp_path, capsy
     Config(inputs=[SAMPLE_CORPUS], eval_dir=partial, exclude_eval=False)
     with pytest.raises(InputError, match="PAWSX"):
         Config(inputs=[SAMPLE_CORPUS], eval_dir=partial)
+
+
+def test_a_resume_after_the_eval_files_changed_is_refused(tmp_path):
+    own, n_eval = write_fixture(tmp_path / "in")
+    evals = tmp_path / "eval"
+    shutil.copytree(EVAL_DIR, evals)
+    run(cfg_for([tmp_path / "in"], tmp_path / "out", eval_dir=evals, phase="split"))
+    # an unchanged folder: the stopped run goes on, as without the rule
+    run(cfg_for([tmp_path / "in"], tmp_path / "out", eval_dir=evals, phase="dedup"))
+    with (evals / "STS-B.test.tsv").open("a", encoding="utf-8") as f:
+        f.write(f"{own[0]}\t{own[1]}\t3\n")
+    with pytest.raises(InputError, match=r"evaluation files of --eval_dir\) changed .* --overwrite"):
+        run(cfg_for([tmp_path / "in"], tmp_path / "out", eval_dir=evals))
+    run(cfg_for([tmp_path / "in"], tmp_path / "out", eval_dir=evals, overwrite=True))
+    counts = read_manifest(tmp_path / "out")["counts"]
+    assert counts["dropped"]["eval_overlap"] == n_eval + 2 and counts["kept"] == len(own) - 2

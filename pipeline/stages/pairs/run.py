@@ -81,6 +81,9 @@ class Config(CorpusConfig):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
+    def side_inputs(self) -> list[Path]:
+        return eval_files(self.eval_dir) if self.exclude_eval else []
+
     @property
     def rows_per_shard(self) -> int:
         return self.pairs_per_shard

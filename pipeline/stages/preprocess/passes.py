@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.data.eval_overlap import eval_index
+from pipeline.data.eval_overlap import eval_files, eval_index
 from pipeline.shards import BASE_SCHEMA, write_shard
 from pipeline.stages.corpus.neardup import NearDupParams
 from pipeline.stages.corpus.passes import (
@@ -90,11 +90,16 @@ def text_ids(texts: list[str]) -> np.ndarray:
     return np.frombuffer(digests, dtype="<u8").astype(np.uint64)
 
 
-@functools.cache
 def eval_keys(eval_dir: str) -> frozenset[str]:
     """The ``normalize_text`` keys of every sentence of every split of the five scored sets in
-    ``eval_dir`` (``pipeline.data.eval_overlap.eval_index``): read once per process (about 80k keys,
-    2 s; a worker keeps them for all its units)."""
+    ``eval_dir`` (``pipeline.data.eval_overlap.eval_index``): read once per process and folder state
+    (about 80k keys, 2 to 5 s; a worker keeps them for all its units), again when a file changed."""
+    files = eval_files(Path(eval_dir))
+    return _eval_keys(eval_dir, tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
+@functools.lru_cache(maxsize=2)
+def _eval_keys(eval_dir: str, stamp: tuple) -> frozenset[str]:
     return frozenset(eval_index(Path(eval_dir)))
 
 

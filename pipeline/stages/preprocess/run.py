@@ -106,6 +106,9 @@ class Config(CorpusConfig):
                     f"{', '.join(COLLECTIONS)} (e.g. webtext2019zh.content)"
                 )
 
+    def side_inputs(self) -> list[Path]:
+        return eval_files(self.eval_dir) if self.exclude_eval else []
+
     @property
     def rows_per_shard(self) -> int:
         return self.sentences_per_shard
