@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from test_preprocess_run import cfg_for, check_counts, out_bytes, read_rows
 
 from pipeline.cli import main
 from pipeline.data.eval_overlap import eval_index
@@ -14,7 +15,6 @@ from pipeline.normalize import normalize_text
 from pipeline.resources import EVAL_DIR, SAMPLE_CORPUS
 from pipeline.shards import read_manifest
 from pipeline.stages.preprocess.run import Config, run
-from tests.test_preprocess_run import cfg_for, check_counts, out_bytes, read_rows
 
 # Real sentences of the bundled evaluation files (first column), as they stand there ...
 EVAL_LINES = {
