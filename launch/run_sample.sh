@@ -10,7 +10,12 @@
 #   NPROC=2 bash launch/run_sample.sh      # two training processes (gloo) instead of one
 #   MAX_PAIRS=2000 bash launch/run_sample.sh   # evaluate on 2,000 pairs per set instead of all
 #   EVAL_PRECISION=fp32 bash launch/run_sample.sh   # evaluate in fp32 instead of bf16 autocast
+#   EXTRA_TEXT="q.txt t.txt" EXTRA_MAX=20000 bash launch/run_sample.sh   # more distillation text
+#     (files preprocess reads, space-separated; at most EXTRA_MAX lines of each; docs/guide.md)
 set -euo pipefail
+# EXTRA_TEXT's paths, made absolute before the cd below (so they may be relative to the caller's folder)
+EXTRA=()
+for f in ${EXTRA_TEXT:-}; do EXTRA+=("$(realpath -m -- "$f")"); done
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-runs/sample}
@@ -21,18 +26,58 @@ if [ -n "${MAX_PAIRS:-}" ]; then PAIRS=(--max_pairs "$MAX_PAIRS"); fi
 export TOKENIZERS_PARALLELISM=false
 stage() { printf '\n== %s (%s)\n' "$1" "$(date +%H:%M:%S)"; }
 
+# The inputs of preprocess, checked before anything runs.
+CORPUS=(pipeline/resources/corpus/peoples_daily_199801.txt pipeline/resources/corpus/taobao_dialogues.jsonl)
+# EXTRA_TEXT: more unlabelled text for the distillation set, appended to the corpus (preprocess drops
+# every sentence of the five scored sets from it: --exclude_eval). EXTRA_MAX: the mixture knob, at most
+# this many lines (records) of each extra file, its first ones, written to $OUT/extra_text/.
+INPUTS=("${CORPUS[@]}")
+for i in "${!EXTRA[@]}"; do
+  f=${EXTRA[$i]}
+  if [ ! -f "$f" ]; then
+    echo "run_sample: EXTRA_TEXT names $f, which is not a file; give existing files, space-separated" >&2
+    exit 2
+  fi
+  if [ -n "${EXTRA_MAX:-}" ]; then
+    if ! [[ "$EXTRA_MAX" =~ ^[1-9][0-9]*$ ]]; then
+      echo "run_sample: EXTRA_MAX=$EXTRA_MAX is not a positive number of lines; unset it to take whole files" >&2
+      exit 2
+    fi
+    case "$f" in *.bz2 | *.zip)
+      echo "run_sample: EXTRA_MAX reads plain or .gz files; unpack $f first" >&2
+      exit 2 ;;
+    esac
+    mkdir -p "$OUT/extra_text"
+    capped="$OUT/extra_text/$i-$(basename "${f%.gz}")"
+    gzip -cdf -- "$f" | awk -v n="$EXTRA_MAX" 'NR <= n' > "$capped"  # awk reads on: no SIGPIPE for gzip
+    f=$capped
+  fi
+  INPUTS+=("$f")
+done
+
 stage "teacher model: $MODEL"
 "$PY" -m pipeline models fetch e5-small --out "$MODEL"
 
 stage preprocess
-CORPUS=(pipeline/resources/corpus/peoples_daily_199801.txt pipeline/resources/corpus/taobao_dialogues.jsonl)
-# Shards of an older sample job (news only) are replaced, with everything built from them.
-if [ -f "$OUT/shards/manifest.json" ] && ! grep -qs 'taobao_dialogues' "$OUT/shards/manifest.json"; then
-  echo "run_sample: $OUT/shards holds an older corpus; preprocessing again" >&2
+# The shards are rebuilt, with everything built from them, when the inputs differ from those recorded
+# (another EXTRA_TEXT or EXTRA_MAX, an edited file), or when they hold an older sample job (news only).
+inputs_record() { for f in "$@"; do printf '%s %s\n' "$(sha256sum < "$f" | cut -d' ' -f1)" "$f"; done; }
+RECORD="$OUT/preprocess_inputs.txt"
+WANT=$(inputs_record "${INPUTS[@]}")
+HAVE=""
+if [ -f "$RECORD" ]; then
+  HAVE=$(cat "$RECORD")
+elif grep -qs 'taobao_dialogues' "$OUT/shards/manifest.json"; then  # a job from before the record
+  HAVE=$(inputs_record "${CORPUS[@]}")
+fi
+if [ -d "$OUT/shards" ] && [ "$HAVE" != "$WANT" ]; then
+  echo "run_sample: $OUT/shards was built from other inputs; preprocessing again" >&2
   rm -rf "$OUT/shards" "$OUT/augmented" "$OUT/student" "$OUT/teacher" "$OUT/train" "$OUT/student_eval"
 fi
+mkdir -p "$OUT"
+printf '%s\n' "$WANT" > "$RECORD"  # before preprocess: a stopped run resumes only with these inputs
 if [ ! -f "$OUT/shards/manifest.json" ]; then
-  "$PY" -m pipeline preprocess "${CORPUS[@]}" --out "$OUT/shards" --sentences_per_shard 8000 --rows_per_block 1000
+  "$PY" -m pipeline preprocess "${INPUTS[@]}" --out "$OUT/shards" --sentences_per_shard 8000 --rows_per_block 1000
 fi
 stage augment
 # Augmented shards of an older sample job with another variant count are replaced (20 s to redo).

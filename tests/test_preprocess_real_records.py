@@ -15,7 +15,9 @@ from _real_records import CLUE_SENTENCES, real_layout
 from pipeline.shards import read_manifest, read_shard
 from pipeline.stages.preprocess.run import Config, run
 
-SENTENCE_REASONS = ("too_short", "too_long", "low_cjk", "title", "truncated", "duplicate", "near_duplicate")
+SENTENCE_REASONS = (
+    "too_short", "too_long", "low_cjk", "title", "truncated", "eval_overlap", "duplicate", "near_duplicate"
+)
 RECORD_REASONS = ("empty", "invalid_utf8", "bad_json", "missing_field", "too_long_record", "unreadable")
 
 

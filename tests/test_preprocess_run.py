@@ -22,7 +22,9 @@ from pipeline.stages.preprocess.run import Config, run
 from pipeline.stages.preprocess.text import clean_paragraphs, split_sentences
 
 REPO = Path(__file__).resolve().parents[1]
-SENTENCE_REASONS = ("too_short", "too_long", "low_cjk", "title", "truncated", "duplicate", "near_duplicate")
+SENTENCE_REASONS = (
+    "too_short", "too_long", "low_cjk", "title", "truncated", "eval_overlap", "duplicate", "near_duplicate"
+)
 RECORD_REASONS = ("empty", "invalid_utf8", "bad_json", "missing_field", "too_long_record", "unreadable")
 
 

@@ -11,7 +11,9 @@ characters), the same key the tests and the other near-duplicate checks use.
 ``python -m pipeline decontaminate IN --out OUT`` (:mod:`pipeline.stages.decontaminate`) is the command
 form: it reads a pair or triple file in any form :mod:`pipeline.data.pairs` reads (TSV, JSON lines, a
 CBLUE JSON array such as ``CHIP-STS_train.json``), writes the kept records to ``OUT`` and the counts to
-``OUT``'s :func:`report_path` (``chip_sts.tsv`` -> ``chip_sts.overlap.json``).
+``OUT``'s :func:`report_path` (``chip_sts.tsv`` -> ``chip_sts.overlap.json``). The corpus stages drop
+the same sentences from unlabelled text with the same index: ``preprocess`` and ``pairs`` ``--exclude_eval``
+(on by default; reason ``eval_overlap``).
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ Phases (``--phase all`` runs them in order; a SLURM array runs one phase per arr
   finalize  manifest.json, then the work directory is removed (one process: task 0)
 
 The work units and the partition count are fixed when a run starts (``plan.json`` in the work
-directory, with the output config and the input files' sizes and times) and checked when it resumes.
-Each piece of each phase is written atomically and skipped when a rerun finds it (``passes.is_done``),
+directory, with the output config and the sizes and times of the input files and of the stage's
+``side_inputs``: the evaluation files) and checked when it resumes. Each piece of each phase is
+written atomically and skipped when a rerun finds it (``passes.is_done``),
 so a killed run resumes where it stopped and produces the same bytes as an uninterrupted one; task t of
 an array takes every num_tasks-th piece from t. A corpus stage's units of work are not one shard in,
 one shard out, so it does not run :class:`pipeline.stages.runner.ShardStage`; it shares its
@@ -126,6 +127,11 @@ class CorpusConfig(Execution):
     def rows_per_shard(self) -> int:
         """Rows per output shard (the stage's sentences_per_shard, pairs_per_shard)."""
         raise NotImplementedError
+
+    def side_inputs(self) -> list[Path]:
+        """Files besides the inputs that decide the output (the evaluation sets a stage filters
+        against): stamped in the plan with the inputs, so a resume after they changed is refused."""
+        return []
 
     @property
     def neardup(self) -> NearDupParams | None:
@@ -277,7 +283,7 @@ def _file_stamp(files: list[Path]) -> list[dict[str, Any]]:
 def _load_or_make_plan(cfg: CorpusConfig, files: list[Path]) -> Plan:
     """The work units and partition count, fixed when a run starts and checked when it resumes."""
     path = cfg.work / "plan.json"
-    stamp = _file_stamp(files)
+    stamp = _file_stamp([*files, *cfg.side_inputs()])
     if path.exists():
         saved = passes.read_json(path)
         if saved["config"] != output_config(cfg):
@@ -287,7 +293,8 @@ def _load_or_make_plan(cfg: CorpusConfig, files: list[Path]) -> Plan:
             )
         if saved["files"] != stamp:
             raise InputError(
-                f"the input files changed since the run in {cfg.work} started; pass --overwrite to start over"
+                f"the input files (or the evaluation files of --eval_dir) changed since the run in "
+                f"{cfg.work} started; pass --overwrite to start over"
             )
         units = [Unit.from_dict(u) for u in saved["units"]]
         log.info(

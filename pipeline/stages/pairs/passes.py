@@ -50,6 +50,7 @@ from pipeline.stages.pairs.extract import (
     sibling_duplicates,
     too_easy,
 )
+from pipeline.stages.preprocess.passes import eval_keys
 from pipeline.stages.preprocess.text import Cleaner, filter_sentences
 
 # Columns of a pair shard (shards/README.md): the base columns (text = the anchor) and the pair's own.
@@ -68,6 +69,7 @@ SIDE_REASONS = ("too_short", "too_long", "low_cjk")
 PAIR_REASONS = (
     *(f"{side}_{r}" for side in ("anchor", "positive") for r in SIDE_REASONS),
     "too_easy",
+    "eval_overlap",  # a side is a sentence of a scored evaluation set (``exclude_eval``)
     "sibling_duplicate",
     "duplicate",
     "near_duplicate",
@@ -86,6 +88,7 @@ class PairParams:
     seed: int
     strict: bool
     neardup: NearDupParams | None = None
+    eval_dir: str | None = None  # exclude_eval on: drop pairs with a sentence of the scored sets here
 
 
 class _Samples:
@@ -150,6 +153,11 @@ def _filter_and_add(
     ]
     reason[list(itertools.compress(survivors, easy))] = 1 + PAIR_REASONS.index("too_easy")
     kept = [not e for e in easy]
+    if params.eval_dir is not None:  # on the keys the too-easy rule has just computed: a set lookup each
+        keys = eval_keys(params.eval_dir)
+        overlap = [k and (a in keys or p in keys) for k, a, p in zip(kept, a_keys, p_keys, strict=True)]
+        reason[list(itertools.compress(survivors, overlap))] = 1 + PAIR_REASONS.index("eval_overlap")
+        kept = [k and not o for k, o in zip(kept, overlap, strict=True)]
     a_keys, p_keys = list(itertools.compress(a_keys, kept)), list(itertools.compress(p_keys, kept))
     rows = list(itertools.compress(survivors, kept))
     kept_candidates = [candidates[i] for i in rows]

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import option
+from pipeline.data.eval_overlap import eval_files
 from pipeline.errors import ConfigError
+from pipeline.resources import EVAL_DIR
 from pipeline.shards import new_manifest
 from pipeline.stages.corpus import template
 from pipeline.stages.corpus.template import CorpusConfig, CorpusStage, Finished, Plan
@@ -54,11 +56,21 @@ class Config(CorpusConfig):
     )
     easy_jaccard: float = option(0.6, "Too easy: character-3-gram Jaccard of the two sides at least this.")
     plain_neighbours: bool = option(False, "Plain-text inputs give neighbouring-sentence pairs (else none).")
+    exclude_eval: bool = option(
+        True,
+        "Drop every pair one of whose sides has its normalize_text key in a split of the five scored "
+        "sets in --eval_dir (eval_overlap).",
+    )
+    eval_dir: Path = option(
+        EVAL_DIR, "Evaluation folder --exclude_eval reads: every NAME.SPLIT.tsv of the five scored sets."
+    )
     pairs_per_shard: int = option(4000, "Pairs per output shard (the last one may hold fewer).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         template.at_least_one(self, "pairs_per_shard", "min_anchor_chars", "min_positive_chars", "lead_chars")
+        if self.exclude_eval:
+            eval_files(self.eval_dir)  # a folder missing a scored set fails here, naming it
         for low, high in (
             ("min_anchor_chars", "max_anchor_chars"),
             ("min_positive_chars", "max_positive_chars"),
@@ -68,6 +80,9 @@ class Config(CorpusConfig):
         for name in ("min_cjk_ratio", "easy_prefix_ratio", "easy_jaccard"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+    def side_inputs(self) -> list[Path]:
+        return eval_files(self.eval_dir) if self.exclude_eval else []
 
     @property
     def rows_per_shard(self) -> int:
@@ -90,6 +105,7 @@ def _params(cfg: Config, num_partitions: int) -> passes.PairParams:
         seed=cfg.seed,
         strict=cfg.strict,
         neardup=cfg.neardup,
+        eval_dir=str(cfg.eval_dir) if cfg.exclude_eval else None,
     )
 
 

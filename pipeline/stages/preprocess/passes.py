@@ -14,7 +14,9 @@ by (text, seed) alone.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
 from collections import Counter
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.data.eval_overlap import eval_files, eval_index
 from pipeline.shards import BASE_SCHEMA, write_shard
 from pipeline.stages.corpus.neardup import NearDupParams
 from pipeline.stages.corpus.passes import (
@@ -40,6 +43,7 @@ from pipeline.stages.corpus.passes import (
     write_partition,
 )
 from pipeline.stages.corpus.readers import SOURCES, Unit
+from pipeline.stages.pairs.extract import key_texts
 from pipeline.stages.preprocess.text import (
     Cleaner,
     ends_sentence,
@@ -49,8 +53,11 @@ from pipeline.stages.preprocess.text import (
 )
 
 # title: a wiki_zh article's first line (its title); truncated: the unterminated last sentence of a
-# field cut at a fixed length (``truncated_fields``); near_duplicate: see ``neardup.py``.
-SENTENCE_REASONS = ("too_short", "too_long", "low_cjk", "title", "truncated", "duplicate", "near_duplicate")
+# field cut at a fixed length (``truncated_fields``); eval_overlap: a sentence of a scored evaluation
+# set (``exclude_eval``); near_duplicate: see ``neardup.py``.
+SENTENCE_REASONS = (
+    "too_short", "too_long", "low_cjk", "title", "truncated", "eval_overlap", "duplicate", "near_duplicate"
+)
 CLEANING_RULES = Cleaner.RULES
 
 FLUSH_SENTENCES = 1 << 15  # split sentences filtered, hashed and routed per batch
@@ -73,6 +80,7 @@ class Filters:
     to_simplified: bool = False
     truncated_fields: tuple[str, ...] = ()  # "collection.field" whose unterminated tail is dropped
     neardup: NearDupParams | None = None  # near-duplicate removal on: write (band hash, key) pairs
+    eval_dir: str | None = None  # exclude_eval on: drop the sentences of the scored sets in this folder
 
 
 # --------------------------------------------------------------------------------------------- keys
@@ -80,6 +88,29 @@ def text_ids(texts: list[str]) -> np.ndarray:
     """``pipeline.shards.sentence_id`` for many texts at once."""
     digests = b"".join(hashlib.blake2b(t.encode("utf-8"), digest_size=8).digest() for t in texts)
     return np.frombuffer(digests, dtype="<u8").astype(np.uint64)
+
+
+def eval_keys(eval_dir: str) -> frozenset[str]:
+    """The ``normalize_text`` keys of every sentence of every split of the five scored sets in
+    ``eval_dir`` (``pipeline.data.eval_overlap.eval_index``): read once per process and folder state
+    (about 80k keys, 2 to 5 s; a worker keeps them for all its units), again when a file changed."""
+    files = eval_files(Path(eval_dir))
+    return _eval_keys(eval_dir, tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
+@functools.lru_cache(maxsize=2)
+def _eval_keys(eval_dir: str, stamp: tuple) -> frozenset[str]:
+    return frozenset(eval_index(Path(eval_dir)))
+
+
+def without_eval(sentences: list[str], keys: frozenset[str]) -> tuple[list[str], list[str]]:
+    """``sentences`` split into those whose key (``key_texts``: ``normalize_text``, vectorised) is not
+    in ``keys`` and those whose key is, each in order."""
+    hits = [key in keys for key in key_texts(sentences)]
+    if not any(hits):
+        return sentences, []
+    kept = list(itertools.compress(sentences, [not h for h in hits]))
+    return kept, list(itertools.compress(sentences, hits))
 
 
 # --------------------------------------------------------------------------------------------- pass 1
@@ -100,6 +131,14 @@ def _filter_and_add(
         if dropped[reason] and cleaner.wants(reason):
             for i in np.flatnonzero(mask)[:3].tolist():
                 cleaner.note_drop(reason, candidates[i])
+    if kept and filters.eval_dir is not None:
+        # after the length and CJK rules (a sentence counts under the first rule it fails), before
+        # dedup: every occurrence of a scored sentence counts here, none under duplicate
+        kept, overlap = without_eval(kept, eval_keys(filters.eval_dir))
+        if overlap:
+            counts["eval_overlap"] += len(overlap)
+            for sentence in overlap[:3]:
+                cleaner.note_drop("eval_overlap", sentence)
     if kept:
         writer.add({"id": text_ids(kept), "text": kept}, sum(map(len, kept)) * 3, kept)
     progress(len(candidates))

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import option
+from pipeline.data.eval_overlap import eval_files
 from pipeline.errors import ConfigError
-from pipeline.resources import SAMPLE_CORPUS
+from pipeline.resources import EVAL_DIR, SAMPLE_CORPUS
 from pipeline.shards import new_manifest
 from pipeline.stages.corpus import template
 from pipeline.stages.corpus.passes import (
@@ -78,11 +79,21 @@ class Config(CorpusConfig):
         "collection.field values cut at a fixed length: their unterminated last sentence is dropped "
         "(truncated); [] keeps every tail.",
     )
+    exclude_eval: bool = option(
+        True,
+        "Drop every sentence whose normalize_text key occurs in a split of the five scored sets in "
+        "--eval_dir (eval_overlap): the distillation set stays zero-shot for evaluation.",
+    )
+    eval_dir: Path = option(
+        EVAL_DIR, "Evaluation folder --exclude_eval reads: every NAME.SPLIT.tsv of the five scored sets."
+    )
     sentences_per_shard: int = option(4000, "Sentences per output shard (the last one may hold fewer).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         template.at_least_one(self, "sentences_per_shard", "min_chars")
+        if self.exclude_eval:
+            eval_files(self.eval_dir)  # a folder missing a scored set fails here, naming it
         if self.max_chars < self.min_chars:
             raise ConfigError(f"max_chars ({self.max_chars}) must be >= min_chars ({self.min_chars})")
         if not 0.0 <= self.min_cjk_ratio <= 1.0:
@@ -94,6 +105,9 @@ class Config(CorpusConfig):
                     f"truncated_fields: {name!r} is not collection.field with a collection of "
                     f"{', '.join(COLLECTIONS)} (e.g. webtext2019zh.content)"
                 )
+
+    def side_inputs(self) -> list[Path]:
+        return eval_files(self.eval_dir) if self.exclude_eval else []
 
     @property
     def rows_per_shard(self) -> int:
@@ -117,6 +131,7 @@ def _filters(cfg: Config, num_partitions: int) -> passes.Filters:
         to_simplified=cfg.to_simplified,
         truncated_fields=tuple(cfg.truncated_fields),
         neardup=cfg.neardup,
+        eval_dir=str(cfg.eval_dir) if cfg.exclude_eval else None,
     )
 
 
