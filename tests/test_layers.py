@@ -18,13 +18,14 @@ LAYERS: list[tuple[str, ...]] = [
     ("pipeline.config", "pipeline.io", "pipeline.normalize", "pipeline.devices"),  # + where to compute
     ("pipeline.shards", "pipeline.vectors", "pipeline.run_layout", "pipeline.resources"),  # formats; data
     ("pipeline.model", "pipeline.stages", "pipeline.stages.runner"),  # the encoder; the stage runner
-    ("pipeline.losses", "pipeline.stages.corpus"),  # loss terms; what the corpus stages share
-    ("pipeline.data",),  # training batches from shards and pair files
+    ("pipeline.data", "pipeline.stages.corpus"),  # training batches; what the corpus stages share
+    ("pipeline.losses",),  # loss terms: they read the model's rows and the typed batch (pipeline.data)
     ("pipeline.evaluate",),  # scoring
     ("pipeline.train",),  # the trainer: reads the stages' output through the formats, never the stages
     # the offline stages that build on the encoder, the data and the scores, and what uses the encoder
     (
         "pipeline.stages.preprocess",
+        "pipeline.stages.decontaminate",
         "pipeline.stages.augment",
         "pipeline.stages.tokenize",
         "pipeline.stages.student",

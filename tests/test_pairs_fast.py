@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.normalize import normalize_text
+from pipeline import normalize
+from pipeline.normalize import key_text, key_texts, normalize_text
 from pipeline.resources import ROOT as RESOURCES
 from pipeline.shards import read_manifest, read_shard
 from pipeline.stages.pairs import extract, passes
-from pipeline.stages.pairs.extract import PairRules, key_text, key_texts, too_easy
+from pipeline.stages.pairs.extract import PairRules, too_easy
 from pipeline.stages.pairs.run import Config, run
 from pipeline.stages.preprocess.text import LEADING, ends_sentence, split_sentences
 
@@ -69,9 +70,9 @@ def test_key_texts_is_key_text():
     assert key_texts([]) == []
     # what the sibling rule relies on: a text mapped code unit by code unit has its prefixes' keys
     # as prefixes of its key
-    assert extract._mapped_keys(texts)[1] == [False] * len(texts)  # EDGE holds the separator
-    texts = [t for t in texts if extract._SEP not in t]
-    keys, by_map = extract._mapped_keys(texts)
+    assert normalize.mapped_keys(texts)[1] == [False] * len(texts)  # EDGE holds the separator
+    texts = [t for t in texts if normalize._SEP not in t]
+    keys, by_map = normalize.mapped_keys(texts)
     assert keys == [key_text(t) for t in texts] and 0 < by_map.count(False) < len(texts) // 2
     for text, key, mapped in zip(texts, keys, by_map, strict=True):
         if mapped:

@@ -18,10 +18,10 @@ import pytest
 from _real_records import real_layout
 
 from pipeline.errors import ConfigError
-from pipeline.normalize import normalize_text
+from pipeline.normalize import key_text, normalize_text
 from pipeline.resources import ROOT as RESOURCES
 from pipeline.shards import block_index, read_manifest, read_shard, read_shard_set, set_index
-from pipeline.stages.pairs.extract import group_id, key_text, too_easy
+from pipeline.stages.pairs.extract import group_id, too_easy
 from pipeline.stages.pairs.passes import PAIR_REASONS, PAIR_SCHEMA, RECORD_REASONS
 from pipeline.stages.pairs.run import Config, run
 

@@ -28,6 +28,7 @@ from typing import Any
 from pipeline.data.pairs import Pair, Triple, read_pairs, read_triples
 from pipeline.errors import InputError
 from pipeline.normalize import normalize_text
+from pipeline.resources import STS_SETS
 
 __all__ = [
     "OverlapReport",
@@ -45,8 +46,6 @@ Record = Pair | Triple
 
 def scored_sets() -> tuple[str, ...]:
     """The names of the five scored sets, as ``pipeline eval`` names them."""
-    from pipeline.evaluate.sts import STS_SETS
-
     return tuple(STS_SETS)
 
 

@@ -11,17 +11,17 @@ every record of ``FILE`` (a pair's two sides; a triple's anchor and positive) wi
   changed file is refused, not silently misaligned), and the ``teacher`` record the shard manifests carry
   (name, hash, dim, pooling, prefix, ...; :func:`pipeline.vectors.matches` reads it for ``data.teacher``).
 
-A run names it in ``data.supervised_teacher``; :func:`check_pair_teacher` holds it against the config and
-:func:`memory_batches` puts the vectors in every batch beside the texts and labels (``Batch.teacher``,
-``Batch.teacher_positive``: the distill term pulls both sides of each pair towards their own teacher
-vectors, as on pair shards). docs/objectives.md, "Labels beside distillation".
+A run names it in ``data.supervised_teacher``; :func:`pipeline.train.plan.check_pair_teacher` holds it
+against the config and :func:`memory_batches` puts the vectors in every batch beside the texts and
+labels (``Batch.teacher``, ``Batch.teacher_positive``: the distill term pulls both sides of each pair
+towards their own teacher vectors, as on pair shards). docs/objectives.md, "Labels beside distillation".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -30,10 +30,7 @@ import pyarrow.parquet as pq
 from pipeline.data.pairs import read_records
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_json, atomic_write_parquet, read_json, sha256_file
-from pipeline.vectors import describe, encode_vectors, matches, teacher_matrix
-
-if TYPE_CHECKING:
-    from pipeline.train.config import DataConfig
+from pipeline.vectors import encode_vectors, teacher_matrix
 
 FORMAT = "pair-file-teacher"
 TEACHER_FILE = "teacher.parquet"
@@ -108,23 +105,6 @@ def read_pair_teacher(directory: Path, pairs_file: Path) -> PairTeacher:
             f"differs); encode it with `{rerun}`"
         )
     return PairTeacher(directory, int(manifest["rows"]), manifest["teacher"])
-
-
-def check_pair_teacher(d: DataConfig) -> PairTeacher:
-    """``data.supervised_teacher`` against ``data.supervised_file``, ``data.teacher`` and
-    ``data.teacher_dim``; every mismatch one ConfigError naming both sides."""
-    found = read_pair_teacher(d.supervised_teacher, d.supervised_file)
-    if d.teacher is not None and not matches(found.teacher, d.teacher):
-        raise ConfigError(
-            f"data.teacher={d.teacher!r} but {d.supervised_teacher} was encoded with "
-            f"{describe(found.teacher)}; set --data.teacher to that name or hash, or encode the file again"
-        )
-    if d.teacher_dim and d.teacher_dim != found.dim:
-        raise ConfigError(
-            f"data.teacher_dim={d.teacher_dim} but the teacher in {d.supervised_teacher / MANIFEST} has "
-            f"{found.dim} dimensions; drop data.teacher_dim (the width is read from the manifest)"
-        )
-    return found
 
 
 def memory_columns(

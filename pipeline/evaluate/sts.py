@@ -19,18 +19,10 @@ from scipy.stats import spearmanr
 
 from pipeline.data.pairs import read_pairs
 from pipeline.errors import InputError
-from pipeline.resources import EVAL_DIR
+from pipeline.resources import EVAL_DIR, STS_SETS
 
 log = logging.getLogger(__name__)
 
-# name -> bundled file; the order is the column order of every table.
-STS_SETS: dict[str, str] = {
-    "ATEC": "ATEC.test.tsv",
-    "BQ": "BQ.dev.tsv",
-    "LCQMC": "LCQMC.dev.tsv",
-    "PAWSX": "PAWSX.dev.tsv",
-    "STS-B": "STS-B.test.tsv",
-}
 AVG_NAME = "avg5"
 
 # An embedder maps N sentences to N row vectors, dense (N, H) or scipy-sparse; rows need not be unit length.

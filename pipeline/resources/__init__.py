@@ -6,6 +6,14 @@ ROOT = Path(__file__).resolve().parent
 SAMPLE_CORPUS = ROOT / "corpus" / "peoples_daily_199801.txt"
 CILIN = ROOT / "synonyms" / "cilin_extended.txt"
 EVAL_DIR = ROOT / "eval"
+# The five scored sets, name -> bundled file (pipeline eval); the order is the column order of every table.
+STS_SETS: dict[str, str] = {
+    "ATEC": "ATEC.test.tsv",
+    "BQ": "BQ.dev.tsv",
+    "LCQMC": "LCQMC.dev.tsv",
+    "PAWSX": "PAWSX.dev.tsv",
+    "STS-B": "STS-B.test.tsv",
+}
 SENTIMENT = EVAL_DIR / "sentiment_reviews.tsv"
 
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pipeline.data.holdout import refuse_holdout
-from pipeline.data.labelled import PairTeacher, check_pair_teacher
+from pipeline.data.labelled import MANIFEST as PAIR_MANIFEST
+from pipeline.data.labelled import PairTeacher, read_pair_teacher
 from pipeline.data.sources import pair_batches, pair_dropout_views, refuse_pair_options
 from pipeline.data.token_ids import ids_usable
 from pipeline.errors import ConfigError
@@ -122,6 +123,23 @@ def check_against_data(
         pairs=pairs,
         mlm_probability=columns.mlm_probability,
     )
+
+
+def check_pair_teacher(d: DataConfig) -> PairTeacher:
+    """``data.supervised_teacher`` against ``data.supervised_file``, ``data.teacher`` and
+    ``data.teacher_dim``; every mismatch one ConfigError naming both sides."""
+    found = read_pair_teacher(d.supervised_teacher, d.supervised_file)
+    if d.teacher is not None and not matches(found.teacher, d.teacher):
+        raise ConfigError(
+            f"data.teacher={d.teacher!r} but {d.supervised_teacher} was encoded with "
+            f"{describe(found.teacher)}; set --data.teacher to that name or hash, or encode the file again"
+        )
+    if d.teacher_dim and d.teacher_dim != found.dim:
+        raise ConfigError(
+            f"data.teacher_dim={d.teacher_dim} but the teacher in {d.supervised_teacher / PAIR_MANIFEST} has "
+            f"{found.dim} dimensions; drop data.teacher_dim (the width is read from the manifest)"
+        )
+    return found
 
 
 def usable_token_ids(shard_set: ShardSet, tokenizer: Any, prefix: str, max_length: int) -> bool:

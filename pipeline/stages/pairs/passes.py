@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.normalize import key_texts
 from pipeline.shards import write_shard
 from pipeline.stages.corpus import passes as corpus
 from pipeline.stages.corpus.neardup import NearDupParams
@@ -44,7 +45,6 @@ from pipeline.stages.pairs.extract import (
     REQUIRED,
     Candidate,
     PairRules,
-    key_texts,
     pair_ids,
     plain_pairs,
     sibling_duplicates,

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.data.eval_overlap import eval_files, eval_index
+from pipeline.normalize import key_texts
 from pipeline.shards import BASE_SCHEMA, write_shard
 from pipeline.stages.corpus.neardup import NearDupParams
 from pipeline.stages.corpus.passes import (
@@ -43,7 +44,6 @@ from pipeline.stages.corpus.passes import (
     write_partition,
 )
 from pipeline.stages.corpus.readers import SOURCES, Unit
-from pipeline.stages.pairs.extract import key_texts
 from pipeline.stages.preprocess.text import (
     Cleaner,
     ends_sentence,
@@ -56,7 +56,14 @@ from pipeline.stages.preprocess.text import (
 # field cut at a fixed length (``truncated_fields``); eval_overlap: a sentence of a scored evaluation
 # set (``exclude_eval``); near_duplicate: see ``neardup.py``.
 SENTENCE_REASONS = (
-    "too_short", "too_long", "low_cjk", "title", "truncated", "eval_overlap", "duplicate", "near_duplicate"
+    "too_short",
+    "too_long",
+    "low_cjk",
+    "title",
+    "truncated",
+    "eval_overlap",
+    "duplicate",
+    "near_duplicate",
 )
 CLEANING_RULES = Cleaner.RULES
 
