@@ -95,10 +95,16 @@ class SyncCounter:
 
         def wrapper(tensor, *args, **kwargs):
             if counter.active:
-                caller = sys._getframe(1).f_code.co_filename
+                frame = sys._getframe(1).f_code
                 # transformers (5.x) reads padding_mask.all() in every BERT forward, to skip the attention
                 # mask of an unpadded batch: a sync inside the model, outside the loop (docs/training.md)
-                where = "transformers_mask" if caller.endswith("transformers/masking_utils.py") else name
+                where = (
+                    "transformers_mask"
+                    if frame.co_filename.endswith("transformers/masking_utils.py")
+                    else name
+                )
+                if frame.co_name == "log_step" and frame.co_filename.endswith("pipeline/train/loop.py"):
+                    where = f"log_step.{name}"  # the log step's own reads of the logged values
                 counter.per_step[-1][where] += 1
             return method(tensor, *args, **kwargs)
 
@@ -120,6 +126,10 @@ def test_steps_between_log_steps_make_no_host_sync(tmp_path, shards, monkeypatch
     assert {step: dict(counter.per_step[step - 1]) for step in quiet} == {step: expected for step in quiet}
     # the log steps do read back (the loss, the guard's verdicts): the counter sees syncs where they are
     assert all(sum(counter.per_step[step - 1].values()) > 0 for step in (LOG_EVERY, STEPS))
+    # and the log step reads every logged value (loss, parts, counts, alignment, uniformity) in one transfer
+    for step in (LOG_EVERY, STEPS):
+        own = {k: v for k, v in counter.per_step[step - 1].items() if k.startswith("log_step.")}
+        assert own == {"log_step.tolist": 1}, (step, dict(counter.per_step[step - 1]))
 
 
 def test_the_deferred_verdict_changes_nothing_in_a_clean_run(tmp_path, shards, monkeypatch):

@@ -88,25 +88,32 @@ def step_record(t: Trainer, result: StepResult) -> dict[str, Any]:
 
 
 def log_step(t: Trainer, out: dict[str, torch.Tensor], throughput: Throughput, bar: Any) -> None:
-    """Collective (loss all-reduce); rank 0 writes. The loop's host syncs besides the guard's verdict."""
-    loss = dist.all_reduce_mean(out["loss"]).item()
+    """Collective (one all-reduce of every logged value); rank 0 writes. The values reach the host in one
+    transfer: the loop's host syncs besides the guard's verdict."""
+    means = ["loss", *sorted(k for k in out if k.endswith("_loss"))]  # the total; each part with >1 term
+    sums = sorted(k for k in out if k.endswith("_count"))  # e.g. false negatives masked, over all ranks
+    scalars = [out[k].detach().double().reshape(1) for k in means + sums]
+    reduced = dist.all_reduce_sum(torch.cat(scalars))  # (len(means) + len(sums),) float64
+    reduced[: len(means)] /= dist.world_size()
+    local = []  # this rank's values, not reduced
+    if out["embeddings"].shape[0] >= 2:
+        local = [x.double().reshape(1) for x in alignment_uniformity(out["embeddings"])]
+    values = torch.cat([reduced, *local]).tolist()  # the one device-to-host transfer
     record: dict[str, Any] = {
         "step": t.state.step,
         "samples_seen": t.state.samples_seen,
-        "loss": loss,  # the weighted total; with more than one term each part is logged below
+        "loss": values[0],  # the weighted total; with more than one term each part is logged below
         "lr": t.schedule.lr(t.state.step - 1),
         "epoch": t.stream.cursor.epoch,
     }
-    for key in sorted(k for k in out if k.endswith("_loss")):  # contrastive, distill, kl, mlm
-        record[key] = dist.all_reduce_mean(out[key]).item()
-    for key in sorted(k for k in out if k.endswith("_count")):  # e.g. false negatives masked, all ranks
-        record[key] = int(dist.all_reduce_sum(out[key]).item())
+    record.update(zip(means[1:], values[1 : len(means)], strict=True))
+    record.update((k, int(v)) for k, v in zip(sums, values[len(means) : len(means) + len(sums)], strict=True))
+    loss = values[0]
     rate = throughput.rate(t.state.samples_seen)
     record["sentences_per_s"] = rate
     record["sequences_per_s"] = rate * out["embeddings"].shape[0]
-    if out["embeddings"].shape[0] >= 2:
-        align, uniform = alignment_uniformity(out["embeddings"])
-        record["alignment"], record["uniformity"] = align.item(), uniform.item()
+    if local:
+        record["alignment"], record["uniformity"] = values[-2:]
     record.update(t.loss.report())  # e.g. the queue's fill fraction
     t.metrics.log(record, t.state.step)
     if bar is not None:
