@@ -139,7 +139,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=99_000, help="rows of the student's embedding table")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", default=",".join(map(str, LAYERS)), help="the layers the student keeps")
-    p.add_argument("--updates", type=int, default=20, help="optimizer steps and momentum updates timed per form")
+    p.add_argument("--updates", type=int, default=20, help="optimizer steps, momentum updates per form")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = SentenceEncoder.from_pretrained(args.model).tokenizer
