@@ -146,6 +146,13 @@ def test_step_profile(shards, model, capsys, monkeypatch):
     assert "parameters" in out
 
 
+def test_step_bytes(model, capsys, monkeypatch):
+    out = run_script("step_bytes", "--model", str(model), "--vocab", "200", "--layers", "0,1", "--steps", "1",
+                     "--warmup", "0", "--threads", "1", "--updates", "1",
+                     capsys=capsys, monkeypatch=monkeypatch)  # fmt: skip
+    assert "mlm-masked" in out and "frozen" in out and "in place" in out
+
+
 @pytest.mark.slow
 def test_guard_cost(capsys, monkeypatch):
     out = run_script("guard_cost", "--config", str(DEBUG), "--blocks", "1", "--steps", "1",

@@ -178,7 +178,23 @@ def _body(rank: int) -> dict:
     for step in range(4):
         queue.enqueue_gathered(queue_keys(step, rank), queue_ids(step, rank), -queue_ids(step, rank))
     out["queue"] = queue.state_dict()
+
+    # the packed enqueue gather (keys, ids and hashes as bytes, one collective) against one gather each
+    packed, separate = NegativeQueue(size=8, dim=H), NegativeQueue(size=8, dim=H)
+    keys, ids = edge_keys(rank), queue_ids(0, rank) * (-1) ** rank
+    hashes = torch.tensor([2**63 - 1 if rank == 0 else -(2**63), rank])  # (2,) int64, one per key
+    packed.enqueue_gathered(keys, ids, hashes)
+    gathered = [distributed.all_gather_no_grad(t) for t in (keys, ids, hashes)]  # three collectives
+    separate.enqueue(*gathered)
+    out["packed"], out["separate"] = packed.state_dict(), separate.state_dict()
     return out
+
+
+def edge_keys(rank: int) -> torch.Tensor:
+    """(2, H) float32 keys with -0.0, a subnormal, inf and NaN among them, different on each rank."""
+    keys = queue_keys(0, rank).clone()
+    keys[0, :4] = torch.tensor([-0.0, 1e-40, float("inf"), float("nan")])
+    return keys
 
 
 @pytest.fixture(scope="module")
@@ -242,3 +258,20 @@ def test_queue_identical_across_ranks_and_equal_to_single_process(ranks):
         torch.testing.assert_close(ranks[0]["queue"][key], value)
     assert int(ranks[0]["queue"]["filled"]) == 6 and int(ranks[0]["queue"]["ptr"]) == (4 * 4) % 6
     assert sorted(ranks[0]["queue"]["ids"].tolist()) == [210, 211, 300, 301, 310, 311]
+
+
+def test_packed_enqueue_gather_equals_one_gather_per_tensor_bit_for_bit(ranks):
+    """One all_gather of the packed bytes fills the queue with the very bits three gathers give (keys
+    with -0.0, subnormals, inf and NaN; extreme int64 ids and hashes), identically on both ranks."""
+    for r in ranks:
+        assert r["packed"].keys() == r["separate"].keys()
+        for key, value in r["packed"].items():
+            other = r["separate"][key]
+            if value.is_floating_point():
+                value, other = value.view(torch.int32), other.view(torch.int32)
+            assert torch.equal(value, other), key
+        assert torch.equal(
+            r["packed"]["keys"].view(torch.int32), ranks[0]["packed"]["keys"].view(torch.int32)
+        )
+    assert int(ranks[0]["packed"]["filled"]) == WORLD * 2
+    assert ranks[0]["packed"]["text_hashes"][[0, 2]].tolist() == [2**63 - 1, -(2**63)]

@@ -220,3 +220,83 @@ def test_resume_with_mlm_is_exact(tmp_path, shards):
     assert resumed["queue_checksum"] == full["queue_checksum"]
     pick = lambda d: [(r["loss"], r["mlm_loss"]) for r in read_metrics(d)]  # noqa: E731
     assert pick(tmp_path / "split")[-3:] == pick(tmp_path / "full")[-3:]
+
+
+def _tiny_train_module(tmp_path):
+    """A 2-layer char BERT with an MLM head, dropout 0, and an MLM batch of 8 sentences (two views)."""
+    from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
+    from pipeline.model.heads import TrainModule
+    from pipeline.model.vocab import write_vocab
+
+    texts = sample_sentences(8)
+    write_vocab(build_char_vocab(texts, 1, 1000), tmp_path / "vocab.txt")
+    tok = make_tokenizer(tmp_path / "vocab.txt")
+    config = dict(
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    backbone = build_scratch_backbone(config, len(tok.get_vocab()), seed=0)
+    encoder = SentenceEncoder(backbone, tok, "mean", 32, "")
+    torch.manual_seed(0)
+    module = TrainModule(encoder, mlm_head=MLMHead(16, backbone.config.vocab_size))
+    rows = {"id": list(range(1, 9)), "text": texts, "variants": [[t[1:]] for t in texts]}
+    return module, MLMCollator(ViewCollator(tok, 32, 1, 0), tok, seed=3, mask_prob=0.3)(rows)
+
+
+def test_mlm_head_on_masked_positions_only_gives_the_full_heads_loss_and_gradients(tmp_path):
+    """The step's path (Batch.inputs finds the selected positions, the model runs the head on those alone,
+    (M, V)) against the head at every position (B, L, V), fp32: the same loss and the same gradient for
+    every parameter (the tied embedding table included), and logits only M rows long."""
+    module, batch = _tiny_train_module(tmp_path)
+    inputs = batch.inputs("cpu")
+    selected = batch.mlm_labels != IGNORE_INDEX
+    count = int(selected.sum())
+    assert 0 < count < selected.numel() // 3  # most positions carry no label: the head skips them
+    assert torch.equal(inputs["mlm_positions"], selected.reshape(-1).nonzero().squeeze(1))
+
+    def loss_and_grads(**extra):
+        module.zero_grad(set_to_none=True)
+        emb, logits = module(**extra, mlm_input_ids=batch.mlm_input_ids)
+        loss = compute_loss(logits, batch.mlm_labels) + emb.sum() * 0  # every parameter in the graph
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+        return logits, loss.detach(), grads
+
+    full_logits, full, full_grads = loss_and_grads(
+        **{k: v for k, v in inputs.items() if k != "mlm_positions"}
+    )
+    masked_logits, masked, masked_grads = loss_and_grads(**inputs)
+    assert full_logits.shape[:2] == batch.mlm_labels.shape and masked_logits.shape[0] == count
+    torch.testing.assert_close(masked_logits, full_logits[selected], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(masked, full, rtol=1e-6, atol=0)
+    assert masked_grads.keys() == full_grads.keys() and "mlm_head.dense.weight" in masked_grads
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(masked_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert masked_grads["encoder.backbone.embeddings.word_embeddings.weight"].abs().sum() > 0
+
+
+def test_masked_loss_equals_literal_cross_entropy_and_is_zero_without_selection():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 7, generator=g, dtype=torch.float64)
+    labels = torch.full((3, 5), IGNORE_INDEX)
+    labels[0, 1], labels[1, 4], labels[2, 0], labels[2, 3] = 6, 0, 2, 2
+    selected = labels != IGNORE_INDEX
+    assert compute_loss(logits[selected], labels).item() == pytest.approx(
+        compute_loss(logits, labels).item(), rel=1e-12
+    )
+    shuffled = logits[selected][[1, 0, 2, 3]]  # the rows must be in the labels' row-major order
+    assert compute_loss(shuffled, labels).item() != pytest.approx(
+        compute_loss(logits, labels).item(), rel=1e-6
+    )
+    assert compute_loss(logits[:0].reshape(0, 7), torch.full((3, 5), IGNORE_INDEX)).item() == 0.0
+
+
+def test_mlm_positions_without_the_masked_originals_are_refused(tmp_path):
+    module, batch = _tiny_train_module(tmp_path)
+    with pytest.raises(ValueError, match="mlm_positions"):
+        module(**batch.inputs("cpu"))

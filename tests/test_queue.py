@@ -1,4 +1,5 @@
-"""The negative queue (FIFO, wraparound, state) and the momentum encoder (EMA math, state, dropout)."""
+"""The negative queue (FIFO, wraparound, state) and the momentum encoder (EMA math, state, dropout, the
+in-place update against the old out-of-place formula)."""
 
 from collections import deque
 
@@ -277,3 +278,54 @@ def test_the_packed_enqueue_gather_keeps_every_bit():
     only_keys = NegativeQueue(4, 3)
     only_keys.enqueue_gathered(keys)
     assert torch.equal(only_keys.keys.view(torch.uint8), plain.keys.view(torch.uint8))
+
+
+def _old_update(copy: nn.Module, online: nn.Module, momentum: float, apply: torch.Tensor | None) -> None:
+    """The momentum update as it was before it ran in place: an out-of-place lerp kept with torch.where."""
+    with torch.no_grad():
+        ours, theirs = dict(copy.named_parameters()), dict(online.named_parameters())
+        targets = list(ours.values())
+        sources = [theirs[n].detach().to(p.dtype) for n, p in ours.items()]
+        if apply is None:
+            torch._foreach_lerp_(targets, sources, 1.0 - momentum)
+        else:
+            for target, new in zip(targets, torch._foreach_lerp(targets, sources, 1.0 - momentum)):
+                target.copy_(torch.where(apply, new, target))
+        their_buffers = dict(online.named_buffers())
+        for name, buffer in copy.named_buffers():
+            buffer.copy_(their_buffers[name])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_in_place_momentum_update_is_bit_equal_to_the_old_formula(deferred):
+    """Several updates (the device verdict applied and refused in turn when deferred) leave every parameter
+    and buffer with the bits of the old out-of-place formula, including -0.0 and subnormal entries; a refused
+    update changes nothing."""
+    torch.manual_seed(0)
+    online = Tiny()
+    with torch.no_grad():
+        online.linear.weight[0, :2] = torch.tensor([-0.0, 1e-40])
+    new, old = MomentumEncoder(online), MomentumEncoder(online)
+    verdicts = [True, False, True, True, False, False, True] if deferred else [None] * 7
+    for step, verdict in enumerate(verdicts):
+        with torch.no_grad():  # the optimizer moves the online model only on applied steps
+            if verdict is not False:
+                for p in online.parameters():
+                    p.add_(torch.randn_like(p) * 0.1)
+            online.norm.running_mean.fill_(float(step))
+        apply = None if verdict is None else torch.tensor(verdict)
+        before = {n: p.clone() for n, p in new.encoder.named_parameters()}
+        new.update(online, 0.9, apply)
+        _old_update(old.encoder, online, 0.9, apply)
+        for (name, a), (_, b) in zip(new.state_dict().items(), old.state_dict().items()):
+            assert torch.equal(a, b), (step, name)
+            if verdict is not False:  # applied: the very same bits
+                assert torch.equal(_bits(a), _bits(b)), (step, name)
+        if verdict is False:
+            for name, p in new.encoder.named_parameters():
+                assert torch.equal(p, before[name])
+    assert not torch.equal(new.encoder.linear.weight, online.linear.weight)  # it averaged, not copied

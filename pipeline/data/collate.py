@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.data.masking import MASK_PROB, batch_generator, mask_tokens
+from pipeline.data.masking import IGNORE_INDEX, MASK_PROB, batch_generator, mask_tokens
 from pipeline.data.token_ids import TEXT_COLUMNS, TOKEN_ID_COLUMNS, pad_ids
 from pipeline.normalize import normalize_text
 
@@ -140,10 +140,20 @@ class Batch:
     def inputs(self, device: torch.device | str) -> dict[str, Any]:
         """The encoder's inputs on ``device`` (asynchronous from pinned memory): ``input_ids`` and
         ``attention_mask``, or in the unpadded layout ``input_ids``, ``position_ids``, ``cu_seqlens`` and
-        the host int ``max_seqlen``."""
+        the host int ``max_seqlen``.
+
+        With the mlm term's masks also ``mlm_positions`` (M,) int64: the flat indices into (B, L) of the
+        tokens whose label is not -100, row-major, where :class:`~pipeline.model.heads.TrainModule` runs
+        its MLM head (and :func:`pipeline.losses.mlm.compute_loss` takes the labels in the same order).
+        Found on the loader's host copy of the labels, so M is a host int and no device value is read
+        (on labels already on a GPU the nonzero would be a sync)."""
         if self.cu_seqlens is None:
             names = ("input_ids", "attention_mask")
-            return {k: getattr(self, k).to(device, non_blocking=True) for k in names}
+            out = {k: getattr(self, k).to(device, non_blocking=True) for k in names}
+            if self.mlm_labels is not None:
+                selected = (self.mlm_labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)  # (M,)
+                out["mlm_positions"] = selected.to(device, non_blocking=True)
+            return out
         names = ("input_ids", "position_ids", "cu_seqlens")
         flat = {k: getattr(self, k).to(device, non_blocking=True) for k in names}
         return {**flat, "max_seqlen": self.max_seqlen}  # a host int: shapes without a device read

@@ -19,6 +19,12 @@ the data position: no host sync in the step, and an exact resume redraws exactly
 decoder). The decoder's weight is *tied* to the backbone's word embeddings (as in BERT): it adds only
 H*H + 3H + V parameters and the masked-token gradient reaches the input embeddings directly. The head
 is trained and checkpointed but never exported with the encoder.
+
+The head runs on the selected positions only: the step hands the model their flat indices
+(``mlm_positions``, found on the host from the labels) and the model gathers those M token states before
+the head, so the decoder's (M, H) x (H, V) replaces (B * L, H) x (H, V) at ~15 % of the positions (most
+of a row's tokens are never selected, and padding never is). The loss and its gradients are those of the
+head at every position (``tests/test_mlm.py`` checks both in fp32).
 """
 
 from __future__ import annotations
@@ -40,11 +46,20 @@ if TYPE_CHECKING:
 
 
 def compute_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy over positions whose label is not -100: logits (B, L, V), labels (B, L).
+    """Mean cross entropy over positions whose label is not -100, labels (B, L); logits at every position
+    (B, L, V), or at the selected positions alone (M, V), row-major (the head on masked positions only:
+    :meth:`pipeline.model.heads.TrainModule.forward` with ``mlm_positions``). Both give the same loss.
 
-    A batch with no selected token gives 0 (not NaN): the sum is divided by max(count, 1) on the device,
-    without reading the count back to the host.
+    A batch with no selected token gives 0 (not NaN): the sum is divided by max(count, 1), the count
+    counted on the device (B, L, V) or the host int M (M, V), never read back to the host.
     """
+    if logits.dim() == 2:  # (M, V): the labels of the M selected positions, in the same row-major order
+        flat = labels.reshape(-1)  # (B * L,)
+        # nonzero_static: the size (M, from the logits' shape) is known, so no device-to-host read
+        picked = torch.nonzero_static(flat != IGNORE_INDEX, size=logits.shape[0]).squeeze(1)  # (M,)
+        target = flat.index_select(0, picked)  # (M,)
+        total = F.cross_entropy(at_least_float32(logits), target, reduction="sum")
+        return total / max(logits.shape[0], 1)
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
     flat = at_least_float32(logits).reshape(-1, logits.shape[-1])  # (B * L, V)
@@ -68,7 +83,7 @@ class MLMConfig:
 def _term_loss(c: MLMConfig, rows: Rows, batch: Batch, lent: Lent) -> torch.Tensor:
     if rows.mlm_logits is None or batch.mlm_labels is None:
         raise ValueError("the mlm term needs the step's MLM logits and labels (batches from MLMCollator)")
-    return compute_loss(rows.mlm_logits, batch.mlm_labels)  # logits (B, L, V), labels (B, L)
+    return compute_loss(rows.mlm_logits, batch.mlm_labels)  # logits (M, V) or (B, L, V), labels (B, L)
 
 
 TERM = Term(

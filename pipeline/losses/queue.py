@@ -278,16 +278,16 @@ class MomentumEncoder(nn.Module):
             raise ValueError(f"online model does not match the momentum copy (e.g. {missing})")
         names = list(ours)
         targets = [ours[n] for n in names]
-        sources = [theirs[n].detach().to(ours[n].dtype) for n in names]
-        # lerp(k, q, 1 - m) = k + (1 - m)(q - k) = m k + (1 - m) q, one fused kernel for all tensors.
+        sources = [theirs[n].detach().to(ours[n].dtype) for n in names]  # a copy only where dtypes differ
+        # lerp(k, q, 1 - m) = k + (1 - m)(q - k) = m k + (1 - m) q, in place, one multi-tensor op.
         if apply is None:
             torch._foreach_lerp_(targets, sources, 1.0 - momentum)
-        else:  # the same values where applied
-            for target, new in zip(targets, torch._foreach_lerp(targets, sources, 1.0 - momentum)):
-                target.copy_(torch.where(apply, new, target))
-        their_buffers = dict(online.named_buffers())
-        for name, buffer in self.encoder.named_buffers():
-            buffer.copy_(their_buffers[name])
+        else:
+            _lerp_where_applied(targets, sources, 1.0 - momentum, apply)
+        buffers = dict(self.encoder.named_buffers())
+        if buffers:  # one multi-tensor copy
+            their_buffers = dict(online.named_buffers())
+            torch._foreach_copy_(list(buffers.values()), [their_buffers[name] for name in buffers])
 
     @torch.no_grad()
     def encode(self, **batch: torch.Tensor) -> torch.Tensor:
@@ -297,3 +297,37 @@ class MomentumEncoder(nn.Module):
         device = next(self.encoder.parameters()).device.type
         with torch.autocast(device, dtype=self.autocast):
             return self.encoder(**batch).float()
+
+
+def _lerp_where_applied(
+    targets: list[torch.Tensor], sources: list[torch.Tensor], weight: float, apply: torch.Tensor
+) -> None:
+    """``targets`` <- lerp(targets, sources, ``weight``) where the () bool device tensor ``apply`` is True,
+    unchanged where False: in place, without reading ``apply`` back to the host.
+
+    The weight goes in as a () device tensor, ``weight`` applied and 0 refused: lerp(k, q, 0) = k + 0 (q - k)
+    is k for finite q (a refused step left the online weights as they were). Applied, the values are
+    bit for bit those of the scalar weight: both kernels compute lerp in float32 from the same float32
+    weight (``tests/test_queue.py`` checks it on CPU; not yet on a GPU). Refused, the one difference from
+    the out-of-place torch.where(apply, lerp(k, q, w), k) this replaces: an entry holding -0.0 can come
+    back +0.0, equal as a value, and the next applied update writes the same bits either way. No
+    temporary copy of the encoder; on CUDA a () weight takes torch's per-tensor route (one lerp_ launch
+    per parameter, where the where-and-copy took two more). fp16/bf16 copies keep the out-of-place path:
+    a weight tensor of their dtype would round 1 - m (the scalar weight is float32).
+    """
+    exact = [t.dtype in (torch.float32, torch.float64) for t in targets]
+    by_dtype: dict[torch.dtype, torch.Tensor] = {}
+    for target, ok in zip(targets, exact):
+        if ok and target.dtype not in by_dtype:  # () per dtype, on the device: where() makes no host read
+            full = torch.full((), weight, dtype=target.dtype, device=apply.device)
+            by_dtype[target.dtype] = torch.where(apply, full, torch.zeros_like(full))
+    fast = [i for i, ok in enumerate(exact) if ok]
+    if fast:
+        torch._foreach_lerp_(
+            [targets[i] for i in fast], [sources[i] for i in fast], [by_dtype[targets[i].dtype] for i in fast]
+        )
+    rest = [i for i, ok in enumerate(exact) if not ok]
+    if rest:  # fp16/bf16: the lerp out of place (float32 weight), kept where applied
+        new = torch._foreach_lerp([targets[i] for i in rest], [sources[i] for i in rest], weight)
+        for i, value in zip(rest, new):
+            targets[i].copy_(torch.where(apply, value, targets[i]))

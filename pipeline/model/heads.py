@@ -44,9 +44,10 @@ class MLMHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(vocab_size))  # the decoder's own bias (not tied)
 
     def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
-        """(B, L, H) token states, (V, H) embedding matrix -> (B, L, V) logits."""
-        x = self.norm(F.gelu(self.dense(hidden)))  # (B, L, H)
-        return F.linear(x, word_embeddings, self.bias)  # (B, L, V)
+        """(..., H) token states, (V, H) embedding matrix -> (..., V) logits: (B, L, H) -> (B, L, V), or
+        the masked positions' states alone (M, H) -> (M, V)."""
+        x = self.norm(F.gelu(self.dense(hidden)))  # (..., H)
+        return F.linear(x, word_embeddings, self.bias)  # (..., V)
 
 
 class TrainModule(nn.Module):
@@ -69,9 +70,16 @@ class TrainModule(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
         position_ids: torch.Tensor | None = None,
+        mlm_positions: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Padded rows (``attention_mask``) or the unpadded layout (``cu_seqlens``, ``max_seqlen``,
-        ``position_ids``: :meth:`SentenceEncoder.forward`) -> (N, H) embeddings."""
+        ``position_ids``: :meth:`SentenceEncoder.forward`) -> (N, H) embeddings.
+
+        With ``mlm_input_ids`` (B, L) also the MLM head's logits: at every position (B, L, V), or with
+        ``mlm_positions`` (M,) int64, the flat indices into (B, L) of the tokens the loss reads (labels not
+        -100, row-major: :meth:`pipeline.data.collate.Batch.inputs`), at those alone (M, V). The decoder is
+        the head's cost (H x V per position, V = 99k on the main job's student) and ~85 % of positions
+        carry no label, so the head runs on the M gathered states; the loss is the same."""
         emb = self.encoder(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -80,6 +88,8 @@ class TrainModule(nn.Module):
             position_ids=position_ids,
         )  # (N, H)
         if mlm_input_ids is None:
+            if mlm_positions is not None:
+                raise ValueError("mlm_positions without mlm_input_ids: pass the masked originals too")
             return emb
         if attention_mask is None:
             raise ValueError("the mlm head reads padded originals; train.unpadded does not support it")
@@ -91,4 +101,6 @@ class TrainModule(nn.Module):
         if self.encoder.static_mask:
             mask = prebuilt_mask(backbone, mask)  # no host sync in transformers' mask code
         hidden = backbone(input_ids=mlm_input_ids, attention_mask=mask, return_dict=True).last_hidden_state
-        return emb, self.mlm_head(hidden, backbone.get_input_embeddings().weight)  # (N, H), (B, L, V)
+        if mlm_positions is not None:  # a gather of M rows, its size known on the host: no device read
+            hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mlm_positions)  # (M, H)
+        return emb, self.mlm_head(hidden, backbone.get_input_embeddings().weight)  # (N, H), (B, L | M, V)
