@@ -255,17 +255,17 @@ def test_micro_batches_carry_each_sentences_id_and_text_hash():
 def test_batches_carry_text_hashes_only_when_a_same_text_rule_reads_them(tmp_path, tiny_shards, same_text):
     """Hashing every text costs the loader workers and the queue a gather per step: the trainer's
     collator computes them only for a run whose luse term has false_negatives.same_text on."""
-    from _train_data import debug_config
+    from _train_data import batch_stream, debug_config
 
     from pipeline.shards import read_shard_set
-    from pipeline.train.build import build_encoder, build_stream
+    from pipeline.train.build import build_encoder
 
     shards = tiny_shards([[40, 24], [32]], num_variants=3)
     rule = {"same_id": True, "same_text": same_text}
     luse = {"luse": {"temperature": 0.05, "queue_size": 32, "false_negatives": rule}}
     cfg = debug_config(tmp_path, shards, **{"loss": [luse], "data.num_workers": 0})
     encoder = build_encoder(cfg)
-    stream = build_stream(cfg, read_shard_set(shards), encoder.tokenizer, 0, 1, encoder.prefix)
+    stream = batch_stream(cfg, read_shard_set(shards), encoder.tokenizer, 0, 1, encoder.prefix)
     batch = next(iter(stream))
     assert (batch.text_hashes is not None) is same_text and batch.ids.dtype == torch.int64
     if same_text:

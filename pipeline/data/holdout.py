@@ -90,7 +90,7 @@ def memory_holdout(
 
 def read_holdout(d: Any, plan: Any) -> HeldOut:
     """The held-out rows of a run (``data.holdout_rows``), as :func:`split_blocks` or the supervised file's
-    reader left them out of its stream; ``plan`` its :class:`~pipeline.train.plan.DataPlan`."""
+    reader left them out of its stream; ``plan`` its :class:`~pipeline.data.plan.DataPlan`."""
     from pipeline.data.pairs import read_records
     from pipeline.data.stream import ShardSource, index_shards
 

@@ -209,7 +209,7 @@ class WeightedTerm:
 @dataclass(frozen=True)
 class Columns:
     """What a run's terms ask every batch to carry, said in one place (:meth:`Loss.columns`); the data plan
-    holds it against the shards' manifest (:func:`pipeline.train.plan.check_against_data`)."""
+    holds it against the shards' manifest (:func:`pipeline.data.plan.plan_batches`)."""
 
     source: str  # where batches come from: "shards", "pair_shards", "pairs" or "triples" (a supervised file)
     num_variants: int  # k: cached EDA variants after each original (shards; the config's, at most)
@@ -258,6 +258,14 @@ class Loss:
         if self.main is not None and self.main.uses_variants:
             return num_variants, num_dropout_views
         return 0, self.num_views(num_variants, num_dropout_views) - 1
+
+    def check_batch(self, keys_per_micro_batch: int) -> None:
+        """A ConfigError when the terms' state does not fit the batches: a negative queue holds a whole
+        number of micro-batches' keys (``keys_per_micro_batch``: gathered from every rank)."""
+        if self.needs.queue_size:
+            from pipeline.losses.queue import validate_queue_size
+
+            validate_queue_size(self.needs.queue_size, keys_per_micro_batch)
 
     def columns(self, num_variants: int, num_dropout_views: int) -> Columns:
         """What every batch carries for these terms, given the config's views (``data.num_variants`` and
