@@ -235,7 +235,6 @@ def test_a_second_epoch_meets_its_own_stale_keys_and_the_run_logs_how_many_were_
 
 def test_micro_batches_carry_each_sentences_id_and_text_hash():
     from pipeline.data.collate import Batch
-    from pipeline.train.loop import micro_batches
 
     b, n = 4, 2
     batch = Batch(
@@ -245,7 +244,7 @@ def test_micro_batches_carry_each_sentences_id_and_text_hash():
         ids=torch.tensor([10, 11, 12, 13]),
         text_hashes=torch.tensor([-1, -2, -3, -4]),
     )
-    first, second = micro_batches(batch, 2)
+    first, second = batch.split(2)  # the engine's micro-batches
     assert first.input_ids.flatten().tolist() == [0, 1, 4, 5]  # sentences 0 and 1, both views
     assert first.ids.tolist() == [10, 11] and second.ids.tolist() == [12, 13]
     assert second.text_hashes.tolist() == [-3, -4]

@@ -2,7 +2,7 @@
 
 ``data.holdout_rows: N`` takes rows of the run's own training data out of the stream before any batch is
 planned, and keeps them, with their cached teacher vectors, for the evaluation
-(:func:`pipeline.train.evaluation.teacher_agreement`):
+(:func:`pipeline.evaluate.agreement.teacher_agreement`):
 
 * sentence shards with a teacher column (the teacher stage's output): the trailing whole blocks of the
   shard set, in manifest order, that hold at least N rows (:func:`split_blocks`); the stream is built from

@@ -18,7 +18,7 @@ model gave (the views and hard negatives, the MLM logits, the head), and the typ
 subclasses :class:`TermModule` in its own file (luse holds its negative queue and momentum encoder, kl
 its teacher queue) and lends what others read of it through one small record, :class:`Lent`; a term
 over others (matryoshka) is handed them, built, and calls them on shortened rows. The trainer calls
-only :class:`TrainLoss`'s methods (the loss, ``after_micro_batch``, ``after_step``, ``states``) and never
+only :class:`TrainLoss`'s methods (``compute``, ``after_micro_batch``, ``after_step``, ``states``) and never
 asks for a term by name. ``TERMS`` (pipeline/losses/__init__.py) is the registry, the one list of term
 names.
 
@@ -396,9 +396,9 @@ class TermModule(nn.Module):
 
 class TrainLoss(nn.Module):
     """The run's loss, built once and kept by the trainer: a ``ModuleDict`` of its weighted terms (each a
-    :class:`TermModule`, holding its own state). ``loss(rows, batch)`` is the weighted sum over one
-    micro-batch (:class:`LossOut`); :meth:`after_micro_batch` and :meth:`after_step` let each term update
-    its state; :meth:`states` is what the checkpoint holds of them."""
+    :class:`TermModule`, holding its own state). :meth:`compute` calls each term on one micro-batch and
+    gives their weighted sum (:class:`LossOut`); :meth:`after_micro_batch` and :meth:`after_step` let each
+    term update its state; :meth:`states` is what the checkpoint holds of them."""
 
     def __init__(self, plan: Loss, context: TermContext):
         super().__init__()
@@ -417,9 +417,10 @@ class TrainLoss(nn.Module):
     def parts(self) -> set[str]:
         return {t.part for t in self.terms.values()}
 
-    def forward(self, rows: Rows, batch: Batch) -> LossOut:
-        """Every term on one micro-batch's rows and batch, and their weighted sum."""
-        batch = batch.sentences_to(rows.views.device)  # per-sentence columns, once for every term
+    def compute(self, rows: Rows, batch: Batch) -> LossOut:
+        """The loss over one micro-batch: each term on its rows and batch, and their weighted sum. The
+        batch's per-sentence columns are on the rows' device (the engine moves them with the model's
+        inputs, :meth:`~pipeline.data.collate.Batch.sentences_to`)."""
         self.check(batch)
         terms = list(self.terms.values())
         parts = {t.part: t(rows, batch) for t in terms}

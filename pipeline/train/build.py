@@ -359,8 +359,6 @@ def build(cfg: Config) -> Trainer:
     # batches (index checks, a supervised file read), the rows held out of them for the evaluation.
     shard_set = read_shard_set(cfg.data.shards) if loss.unsupervised else None  # the manifest, once
     plan = check_against_data(cfg, shard_set, world, tokenizer, prefix)
-    write_run_config(cfg.run_dir, run_config)
-    dist.barrier()
     started = time.perf_counter()
     stream = build_stream(
         plan, cfg.data, cfg.train, tokenizer, rank, world, prefix, setup.device, setup.workers,
@@ -369,8 +367,10 @@ def build(cfg: Config) -> Trainer:
     planned = time.perf_counter() - started
     holdout = read_holdout(cfg.data, plan) if main and cfg.data.holdout_rows else None  # rank 0's
     sts_valid = read_pair_file(EVAL_DIR / "STS-B.valid.tsv").first(cfg.train.eval_max_pairs) if main else None
+    write_run_config(cfg.run_dir, run_config)  # once the data passed its checks
+    dist.barrier()
 
-    # The model, identical on every rank, its heads, and the loss's terms built once, each with its own
+    # The model, identical on every rank, the loss's head and its terms, built once, each with its own
     # state (luse's queue and momentum encoder, kl's teacher queue) from the encoder as initialised.
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     started = time.perf_counter()
@@ -379,24 +379,25 @@ def build(cfg: Config) -> Trainer:
     if cfg.model.freeze_embeddings:
         encoder.backbone.get_input_embeddings().requires_grad_(False)
     head = loss.build_head(encoder.dim, plan.teacher_dim or 0)  # the teacher's width from the manifest
+    terms = TrainLoss(loss, TermContext(encoder, encoder.dim, plan.teacher_dim or 0, loss.needs))
+    copies = terms.copies()  # encoder copies the terms run (a momentum encoder): precision below
     mlm_head = None
     if loss.needs.mlm_probability is not None:  # after the encoder: without MLM the initial weights as before
         bc = encoder.backbone.config
         mlm_head = MLMHead(encoder.dim, bc.vocab_size, getattr(bc, "layer_norm_eps", 1e-12))
     module = TrainModule(encoder, head, mlm_head).to(accelerator.device)
-    torch.manual_seed(cfg.train.seed + 1000 * rank)  # dropout differs per rank, and reproducibly
-    terms = TrainLoss(loss, TermContext(encoder, encoder.dim, plan.teacher_dim or 0, loss.needs))
     terms.to(accelerator.device)
+    torch.manual_seed(cfg.train.seed + 1000 * rank)  # dropout differs per rank, and reproducibly
     prepare_encoder(module.encoder, cfg.train)  # train.unpadded/pad_to_multiple_of/compile; after the copies
     unk_rates = eval_unk_rates(encoder.tokenizer) if main else {}  # [UNK] share on the evaluation sets
 
     # The training state around them: precision, the log, the optimizer and its schedule.
     precision = setup.mixed_precision
     if precision == "bf16" and accelerator.device.type == "cpu":
-        for m in (module, *(copy.encoder for copy in terms.copies())):
+        for m in (module, *(copy.encoder for copy in copies)):
             autocast_bf16_on_cpu(m)
     if accelerator.device.type == "cuda" and precision != "no":
-        for copy in terms.copies():  # a momentum encoder: Accelerate autocasts the online model only
+        for copy in copies:  # a momentum encoder: Accelerate autocasts the online model only
             copy.autocast = torch.bfloat16 if precision == "bf16" else torch.float16
     metrics = MetricsLogger(cfg.run_dir, enabled=main)
     if main:
