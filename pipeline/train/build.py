@@ -31,7 +31,6 @@ from pipeline.data.holdout import HeldOut, read_holdout
 from pipeline.data.stream import BatchStream
 from pipeline.devices import bind_local_device, probe_cuda
 from pipeline.errors import ConfigError
-from pipeline.evaluate.sts import PairSet, read_pair_file
 from pipeline.losses.legacy import split_objective
 from pipeline.losses.terms import TermContext, TrainLoss
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
@@ -40,7 +39,6 @@ from pipeline.model.encoder import load_tokenizer as load_model_tokenizer
 from pipeline.model.heads import MLMHead, TrainModule
 from pipeline.model.layers import keep_layers, reinitialise, set_dropout
 from pipeline.model.vocab import SCRATCH_SMALL, eval_unk_rates, read_model_config, write_vocab
-from pipeline.resources import EVAL_DIR
 from pipeline.shards import read_shard_set
 from pipeline.train.callbacks import Callbacks
 from pipeline.train.checkpoint import Checkpointer, check_compatible
@@ -95,7 +93,6 @@ class Trainer:
     total_steps: int
     checkpointer: Checkpointer | None = None
     preemption: PreemptionHandler | None = None
-    sts_valid: PairSet | None = None  # rank 0 only: the STS-B valid pairs scored by evaluate()
     holdout: HeldOut | None = None  # rank 0 only: data.holdout_rows's rows, for the teacher agreement
     callbacks: Callbacks = field(default_factory=Callbacks)  # hooks into the run (train() sets them)
     engine: Any = None  # the step's engine (pipeline/train/engines.py), chosen once by train()
@@ -366,7 +363,6 @@ def build(cfg: Config) -> Trainer:
     )  # fmt: skip
     planned = time.perf_counter() - started
     holdout = read_holdout(cfg.data, plan) if main and cfg.data.holdout_rows else None  # rank 0's
-    sts_valid = read_pair_file(EVAL_DIR / "STS-B.valid.tsv").first(cfg.train.eval_max_pairs) if main else None
     write_run_config(cfg.run_dir, run_config)  # once the data passed its checks
     dist.barrier()
 
@@ -434,7 +430,6 @@ def build(cfg: Config) -> Trainer:
         total_steps=total,
         checkpointer=build_checkpointer(cfg, model),
         preemption=PreemptionHandler().install(),
-        sts_valid=sts_valid,
         holdout=holdout,
     )
     resume(trainer)

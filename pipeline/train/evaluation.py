@@ -12,7 +12,8 @@ from typing import Any
 
 from pipeline import distributed as dist
 from pipeline.evaluate.agreement import teacher_agreement
-from pipeline.evaluate.sts import score_pairs
+from pipeline.evaluate.sts import read_pair_file, score_pairs
+from pipeline.resources import EVAL_DIR
 from pipeline.train.build import Trainer
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,8 @@ def evaluate(t: Trainer) -> float:
     agreement), broadcast to all (collective), as ``Callbacks.on_evaluate`` leaves it."""
     score = None
     if t.accelerator.is_main_process:
-        sts_b, _ = score_pairs(t.encoder.encode, t.sts_valid)
+        sts_valid = read_pair_file(EVAL_DIR / "STS-B.valid.tsv").first(t.cfg.train.eval_max_pairs)
+        sts_b, _ = score_pairs(t.encoder.encode, sts_valid)
         record: dict[str, Any] = {"event": "eval", "step": t.state.step, "sts_b_valid_spearman": sts_b}
         score = sts_b
         if t.holdout is not None:
