@@ -1,13 +1,12 @@
 """Build everything a training run needs into one :class:`Trainer`, a package at a time.
 
-Order matters: the process group first (Accelerate); the loss's terms parsed and the resolved config
-written; the encoder's tokenizer; then the data, whole, before any weights (the plan: the config held
-against the world size and the data; the batches; the held-out rows): a mistake there fails in seconds;
-then the model (encoder, heads: identical on every rank), the loss's terms with their state (queue,
-momentum encoder), the optimizer and the schedule. A resume loads the saved states into the
-*unwrapped* objects after the model and optimizer are handed to Accelerate (DDP / DeepSpeed wrap them).
-Each package builds its own part: pipeline/data/build.py the batches, pipeline/model the encoder and
-its heads, pipeline/losses the terms.
+Order matters: the process group first (Accelerate); the loss's terms parsed and the config resolved;
+the encoder's tokenizer; then the data, whole, before any weights (the plan: the config held against the
+world size and the data; the batches, pipeline/data/build.py; the held-out rows), so that a mistake there
+fails in seconds, and only then ``config.yaml``; then the model (encoder and heads, identical on every
+rank), the loss's terms with their state (queue, momentum encoder: pipeline/losses/terms.py), the
+optimizer and the schedule. A resume loads the saved states into the *unwrapped* objects after the model
+and optimizer are handed to Accelerate (DDP / DeepSpeed wrap them).
 """
 
 from __future__ import annotations
