@@ -349,11 +349,11 @@ def build(cfg: Config) -> Trainer:
     world, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
     loss = cfg.terms()  # the config's loss list, parsed once
     run_config = to_dict(cfg)  # the resolved config, once: config.yaml and every checkpoint record it
+    shard_set = read_shard_set(cfg.data.shards) if loss.unsupervised else None  # the manifest, once
     tokenizer, prefix = load_tokenizer(cfg)  # before the weights: the data checks need it
 
     # The data, whole, before any model: every check of the config against it (the plan), this rank's
     # batches (index checks, a supervised file read), the rows held out of them for the evaluation.
-    shard_set = read_shard_set(cfg.data.shards) if loss.unsupervised else None  # the manifest, once
     plan = check_against_data(cfg, shard_set, world, tokenizer, prefix)
     started = time.perf_counter()
     stream = build_stream(
