@@ -2,7 +2,7 @@
 without the teacher column, padding pre-tokenised ids vs tokenising on the fly (issue 41, Build item 6).
 
 Each cell builds the trainer's own pieces (``ViewCollator``, ``ShardSource``, ``BatchStream``, as
-``pipeline.train.build.build_stream`` does for sentence shards), iterates one epoch and counts the steady
+``pipeline.data.build.build_stream`` does for sentence shards), iterates one epoch and counts the steady
 state: the batches made after every worker made its first one (each batch carries the wall-clock time its
 worker made it), over the time from then to the last one's arrival in this process. An epoch starts its
 workers afresh, as training does; that start-up is reported apart (``first_batches_s``). ``--repeats``

@@ -44,7 +44,7 @@ def timed_step(t: Trainer, batch: Batch, times: dict[str, list[float]]) -> None:
         clock[0] = now
 
     t.schedule.apply(t.state.step)
-    inputs = batch.inputs(acc.device)
+    inputs, batch = batch.inputs(acc.device), batch.sentences_to(acc.device)  # as Engine.run does
     with acc.accumulate(t.model):
         encoded = engines.forward(t, inputs, batch)  # bf16: autocasts itself (build.autocast_bf16_on_cpu)
         lap("forward")

@@ -51,5 +51,5 @@ def evaluate(
     lent = next(iter(built.terms.values())).lent
     lent.queue = None if queue is None else _queue(queue, queue_ids, queue_text_hashes)
     lent.teacher_queue = None if teacher_queue is None else _queue(teacher_queue)
-    out = built(Rows(views, hard_negatives, head=head, gather=gather), batch)
+    out = built.compute(Rows(views, hard_negatives, head=head, gather=gather), batch)
     return {"loss": out.total, **out.parts, **out.counts}

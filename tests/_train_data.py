@@ -132,3 +132,15 @@ def with_teacher(shards: Path, out: Path, dim: int, seed: int = 0) -> Path:
     config = manifest["config"]
     write_manifest(out, new_manifest("teacher", {}, entries, counts={}, input_config=config, teacher=teacher))
     return out
+
+
+def batch_stream(cfg, shard_set, tokenizer, rank: int = 0, world: int = 1, prefix: str = ""):
+    """The trainer's batches for ``cfg`` on ``shard_set`` (None: the supervised file), as ``build`` makes
+    them: the data plan (the config held against the data), then the stream built from it."""
+    from pipeline.data.build import build_stream
+    from pipeline.train.plan import check_against_data
+    from pipeline.train.speed import loader_workers
+
+    plan = check_against_data(cfg, shard_set, world, tokenizer, prefix)
+    workers = loader_workers(cfg.data.num_workers, "cpu")
+    return build_stream(plan, cfg.data, cfg.train, tokenizer, rank, world, prefix, workers=workers)

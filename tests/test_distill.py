@@ -191,7 +191,6 @@ def test_config_allows_one_view_only_without_the_contrastive_term(tmp_path):
 # --------------------------------------------------------------------------------- batch plumbing
 def test_micro_batches_carry_teacher_and_hard_negative_rows():
     from pipeline.data.collate import Batch
-    from pipeline.train.loop import micro_batches
 
     n, m, b = 2, 2, 4
     rows = torch.arange((n + m) * b)[:, None].repeat(1, 3)  # row r holds r
@@ -202,7 +201,7 @@ def test_micro_batches_carry_teacher_and_hard_negative_rows():
         attention_mask=torch.ones_like(rows),
         teacher=torch.arange(b, dtype=torch.float32)[:, None].repeat(1, 5),
     )
-    parts = micro_batches(batch, 2)
+    parts = batch.split(2)  # the engine's micro-batches
     assert [p.num_hard_negatives for p in parts] == [m, m]
     # micro-batch 1 holds sentences 2, 3: view v / negative j rows v*B + 2, v*B + 3 in the same block order
     assert parts[1].input_ids[:, 0].tolist() == [2, 3, 6, 7, 10, 11, 14, 15]

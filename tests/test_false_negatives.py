@@ -235,7 +235,6 @@ def test_a_second_epoch_meets_its_own_stale_keys_and_the_run_logs_how_many_were_
 
 def test_micro_batches_carry_each_sentences_id_and_text_hash():
     from pipeline.data.collate import Batch
-    from pipeline.train.loop import micro_batches
 
     b, n = 4, 2
     batch = Batch(
@@ -245,7 +244,7 @@ def test_micro_batches_carry_each_sentences_id_and_text_hash():
         ids=torch.tensor([10, 11, 12, 13]),
         text_hashes=torch.tensor([-1, -2, -3, -4]),
     )
-    first, second = micro_batches(batch, 2)
+    first, second = batch.split(2)  # the engine's micro-batches
     assert first.input_ids.flatten().tolist() == [0, 1, 4, 5]  # sentences 0 and 1, both views
     assert first.ids.tolist() == [10, 11] and second.ids.tolist() == [12, 13]
     assert second.text_hashes.tolist() == [-3, -4]
@@ -255,17 +254,17 @@ def test_micro_batches_carry_each_sentences_id_and_text_hash():
 def test_batches_carry_text_hashes_only_when_a_same_text_rule_reads_them(tmp_path, tiny_shards, same_text):
     """Hashing every text costs the loader workers and the queue a gather per step: the trainer's
     collator computes them only for a run whose luse term has false_negatives.same_text on."""
-    from _train_data import debug_config
+    from _train_data import batch_stream, debug_config
 
     from pipeline.shards import read_shard_set
-    from pipeline.train.build import build_encoder, build_stream
+    from pipeline.train.build import build_encoder
 
     shards = tiny_shards([[40, 24], [32]], num_variants=3)
     rule = {"same_id": True, "same_text": same_text}
     luse = {"luse": {"temperature": 0.05, "queue_size": 32, "false_negatives": rule}}
     cfg = debug_config(tmp_path, shards, **{"loss": [luse], "data.num_workers": 0})
     encoder = build_encoder(cfg)
-    stream = build_stream(cfg, read_shard_set(shards), encoder.tokenizer, 0, 1, encoder.prefix)
+    stream = batch_stream(cfg, read_shard_set(shards), encoder.tokenizer, 0, 1, encoder.prefix)
     batch = next(iter(stream))
     assert (batch.text_hashes is not None) is same_text and batch.ids.dtype == torch.int64
     if same_text:

@@ -203,7 +203,7 @@ def test_luse_lends_its_queue_to_kl_and_matryoshka_holds_the_built_terms():
     batch = Batch(tokens, tokens, num_views=2, ids=torch.arange(3), teacher=torch.randn(3, 6, generator=g))
     rows = Rows.of(views.reshape(6, 4), batch, None)
     loss.after_micro_batch(views.reshape(6, 4), {}, batch)  # luse's keys and kl's teacher rows, row for row
-    out = loss(rows, batch)
+    out = loss.compute(rows, batch)
     expected = distill.kl_loss(
         views[0], batch.teacher, queue=views[0], teacher_queue=batch.teacher, gather=False
     )

@@ -145,12 +145,13 @@ def pair_config(tmp_path: Path, shards: Path, loss: list[dict], **overrides):
 
 
 def _batches(cfg, n: int, teacher: Path) -> list[dict]:
+    from _train_data import batch_stream
+
     from pipeline.model import SentenceEncoder
     from pipeline.shards import read_shard_set
-    from pipeline.train.build import build_stream
 
     tokenizer = SentenceEncoder.from_pretrained(teacher).tokenizer  # any tokenizer: the teacher's
-    stream = build_stream(cfg, read_shard_set(cfg.data.shards), tokenizer, 0, 1)
+    stream = batch_stream(cfg, read_shard_set(cfg.data.shards), tokenizer, 0, 1)
     out = []
     for batch in stream:
         out.append(batch)
@@ -178,19 +179,18 @@ def test_pair_batches_carry_both_sides_groups_hashes_and_teachers(pair_data, tmp
 
 
 def test_the_loss_and_the_shards_must_fit(pair_data, tmp_path):
-    from _train_data import make_shards
+    from _train_data import batch_stream, make_shards
 
     from pipeline.shards import read_shard_set
-    from pipeline.train.build import build_stream
 
     sentences = tmp_path / "sentences"
     make_shards(sentences, [[40]])
     cfg = pair_config(tmp_path, sentences, [{"pairs": {}}])
     with pytest.raises(ConfigError, match="pair shards"):
-        build_stream(cfg, read_shard_set(sentences), None, 0, 1)
+        batch_stream(cfg, read_shard_set(sentences), None, 0, 1)
     cfg = pair_config(tmp_path, pair_data["taught"], [{"luse_bce": {}}], **{"data.num_dropout_views": 1})
     with pytest.raises(ConfigError, match="holds pairs"):
-        build_stream(cfg, read_shard_set(pair_data["taught"]), None, 0, 1)
+        batch_stream(cfg, read_shard_set(pair_data["taught"]), None, 0, 1)
 
 
 def test_tiny_train_on_pair_shards_distill_plus_pairs(pair_data, tmp_path):

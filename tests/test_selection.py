@@ -9,8 +9,8 @@ from _train_data import debug_config, with_teacher
 
 from pipeline.data.holdout import HeldOut
 from pipeline.errors import ConfigError
+from pipeline.evaluate.agreement import teacher_agreement
 from pipeline.shards import read_shard, sentence_id, shard_paths
-from pipeline.train.evaluation import teacher_agreement
 
 DISTILL = {"loss": [{"distill": {}}], "data.num_variants": 0, "data.num_dropout_views": 0}
 

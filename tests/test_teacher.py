@@ -14,13 +14,14 @@ import torch
 from _tiny_models import build_char_encoder
 from _train_data import debug_config, debug_luse
 
+from pipeline.data.plan import recorded_teacher
 from pipeline.errors import ConfigError, InputError
 from pipeline.resources import sample_sentences
 from pipeline.shards import read_manifest, read_shard, read_shard_set
 from pipeline.stages.teacher import run as teacher_run
 from pipeline.stages.teacher.negatives import MineParams, Pool, select_negatives
 from pipeline.stages.teacher.run import Config, run
-from pipeline.train.plan import check_against_data, recorded_teacher
+from pipeline.train.plan import check_against_data
 from pipeline.vectors import teacher_matrix
 
 PREFIX = "问："

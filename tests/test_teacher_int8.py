@@ -14,10 +14,10 @@ import torch
 from _train_data import debug_config, debug_luse, make_shards
 from test_teacher import BLOCKS, MINE, build_teacher, table, teach
 
+from pipeline.data.plan import recorded_teacher
 from pipeline.errors import ConfigError, InputError
 from pipeline.io import atomic_write_json
 from pipeline.shards import read_manifest, read_shard, read_shard_set
-from pipeline.train.plan import recorded_teacher
 from pipeline.vectors import block_teacher, encode_vectors, teacher_matrix, variant_matrices
 
 DIM = 24

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from _train_data import debug_config, full_and_resumed, make_shards, run_and_dump
+from _train_data import batch_stream, debug_config, full_and_resumed, make_shards, run_and_dump
 
 from pipeline.data.collate import FastEncoder, ViewCollator
 from pipeline.data.stream import BatchStream, ShardSource, index_shards
@@ -32,7 +32,6 @@ from pipeline.model import (
 from pipeline.resources import sample_sentences
 from pipeline.shards import new_manifest, read_manifest, read_shard, read_shard_set, shard_name, write_shard
 from pipeline.stages.tokenize import WORK_DIR, Config, run
-from pipeline.train.build import build_stream
 
 PREFIX = "问："
 BLOCKS = [[40, 24], [32], [30, 10]]
@@ -288,7 +287,7 @@ def test_training_on_ids_equals_training_on_text_and_resumes_exactly(tmp_path, s
     tokenizer = make_tokenizer(model / "vocab.txt")
     for data, pretokenized in ((shards, False), (out, True)):  # the trainer's own choice of path
         assert (
-            build_stream(
+            batch_stream(
                 make_cfg(data, tmp_path / "x", 1), read_shard_set(data), tokenizer, 0, 1, PREFIX
             ).collate.pretokenized
             is pretokenized

@@ -2,7 +2,7 @@
 
 ``data.holdout_rows: N`` takes rows of the run's own training data out of the stream before any batch is
 planned, and keeps them, with their cached teacher vectors, for the evaluation
-(:func:`pipeline.train.evaluation.teacher_agreement`):
+(:func:`pipeline.evaluate.agreement.teacher_agreement`):
 
 * sentence shards with a teacher column (the teacher stage's output): the trailing whole blocks of the
   shard set, in manifest order, that hold at least N rows (:func:`split_blocks`); the stream is built from
@@ -90,7 +90,7 @@ def memory_holdout(
 
 def read_holdout(d: Any, plan: Any) -> HeldOut:
     """The held-out rows of a run (``data.holdout_rows``), as :func:`split_blocks` or the supervised file's
-    reader left them out of its stream; ``plan`` its :class:`~pipeline.train.plan.DataPlan`."""
+    reader left them out of its stream; ``plan`` its :class:`~pipeline.data.plan.DataPlan`."""
     from pipeline.data.pairs import read_records
     from pipeline.data.stream import ShardSource, index_shards
 

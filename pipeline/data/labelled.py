@@ -11,7 +11,7 @@ every record of ``FILE`` (a pair's two sides; a triple's anchor and positive) wi
   changed file is refused, not silently misaligned), and the ``teacher`` record the shard manifests carry
   (name, hash, dim, pooling, prefix, ...; :func:`pipeline.vectors.matches` reads it for ``data.teacher``).
 
-A run names it in ``data.supervised_teacher``; :func:`pipeline.train.plan.check_pair_teacher` holds it
+A run names it in ``data.supervised_teacher``; :func:`pipeline.data.plan.check_pair_teacher` holds it
 against the config and :func:`memory_batches` puts the vectors in every batch beside the texts and
 labels (``Batch.teacher``, ``Batch.teacher_positive``: the distill term pulls both sides of each pair
 towards their own teacher vectors, as on pair shards). docs/objectives.md, "Labels beside distillation".

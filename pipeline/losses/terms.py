@@ -18,7 +18,7 @@ model gave (the views and hard negatives, the MLM logits, the head), and the typ
 subclasses :class:`TermModule` in its own file (luse holds its negative queue and momentum encoder, kl
 its teacher queue) and lends what others read of it through one small record, :class:`Lent`; a term
 over others (matryoshka) is handed them, built, and calls them on shortened rows. The trainer calls
-only :class:`TrainLoss`'s methods (the loss, ``after_micro_batch``, ``after_step``, ``states``) and never
+only :class:`TrainLoss`'s methods (``compute``, ``after_micro_batch``, ``after_step``, ``states``) and never
 asks for a term by name. ``TERMS`` (pipeline/losses/__init__.py) is the registry, the one list of term
 names.
 
@@ -209,7 +209,7 @@ class WeightedTerm:
 @dataclass(frozen=True)
 class Columns:
     """What a run's terms ask every batch to carry, said in one place (:meth:`Loss.columns`); the data plan
-    holds it against the shards' manifest (:func:`pipeline.train.plan.check_against_data`)."""
+    holds it against the shards' manifest (:func:`pipeline.data.plan.plan_batches`)."""
 
     source: str  # where batches come from: "shards", "pair_shards", "pairs" or "triples" (a supervised file)
     num_variants: int  # k: cached EDA variants after each original (shards; the config's, at most)
@@ -258,6 +258,14 @@ class Loss:
         if self.main is not None and self.main.uses_variants:
             return num_variants, num_dropout_views
         return 0, self.num_views(num_variants, num_dropout_views) - 1
+
+    def check_batch(self, keys_per_micro_batch: int) -> None:
+        """A ConfigError when the terms' state does not fit the batches: a negative queue holds a whole
+        number of micro-batches' keys (``keys_per_micro_batch``: gathered from every rank)."""
+        if self.needs.queue_size:
+            from pipeline.losses.queue import validate_queue_size
+
+            validate_queue_size(self.needs.queue_size, keys_per_micro_batch)
 
     def columns(self, num_variants: int, num_dropout_views: int) -> Columns:
         """What every batch carries for these terms, given the config's views (``data.num_variants`` and
@@ -388,9 +396,9 @@ class TermModule(nn.Module):
 
 class TrainLoss(nn.Module):
     """The run's loss, built once and kept by the trainer: a ``ModuleDict`` of its weighted terms (each a
-    :class:`TermModule`, holding its own state). ``loss(rows, batch)`` is the weighted sum over one
-    micro-batch (:class:`LossOut`); :meth:`after_micro_batch` and :meth:`after_step` let each term update
-    its state; :meth:`states` is what the checkpoint holds of them."""
+    :class:`TermModule`, holding its own state). :meth:`compute` calls each term on one micro-batch and
+    gives their weighted sum (:class:`LossOut`); :meth:`after_micro_batch` and :meth:`after_step` let each
+    term update its state; :meth:`states` is what the checkpoint holds of them."""
 
     def __init__(self, plan: Loss, context: TermContext):
         super().__init__()
@@ -409,9 +417,10 @@ class TrainLoss(nn.Module):
     def parts(self) -> set[str]:
         return {t.part for t in self.terms.values()}
 
-    def forward(self, rows: Rows, batch: Batch) -> LossOut:
-        """Every term on one micro-batch's rows and batch, and their weighted sum."""
-        batch = batch.sentences_to(rows.views.device)  # per-sentence columns, once for every term
+    def compute(self, rows: Rows, batch: Batch) -> LossOut:
+        """The loss over one micro-batch: each term on its rows and batch, and their weighted sum. The
+        batch's per-sentence columns are on the rows' device (the engine moves them with the model's
+        inputs, :meth:`~pipeline.data.collate.Batch.sentences_to`)."""
         self.check(batch)
         terms = list(self.terms.values())
         parts = {t.part: t(rows, batch) for t in terms}

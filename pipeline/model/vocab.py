@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from pipeline.resources import EVAL_DIR
+
 # The package's own from-scratch BERT (model.scratch_config left empty): 4 layers, hidden 128.
 SCRATCH_SMALL = Path(__file__).resolve().parent / "scratch_small.json"
 
@@ -78,3 +80,15 @@ def unk_rate(tokenizer: Any, texts: Iterable[str]) -> float:
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     total = sum(len(x) for x in ids)
     return sum(x.count(tokenizer.unk_token_id) for x in ids) / max(total, 1)
+
+
+def eval_unk_rates(tokenizer: Any, lines: int = 500) -> dict[str, float]:
+    """[UNK] share of tokens (:func:`unk_rate`) on each bundled evaluation set, over its first ``lines``
+    pairs' texts (scores are left out), by set name: the evaluation sets' text is never in the vocabulary."""
+    rates = {}
+    for path in sorted(EVAL_DIR.glob("*.tsv")):
+        texts = []
+        for line in path.read_text(encoding="utf-8").splitlines()[:lines]:
+            texts.extend(f for f in line.split("\t") if f and not f.lstrip("-").isdigit())
+        rates[path.stem] = round(unk_rate(tokenizer, texts), 5)
+    return rates

@@ -1,9 +1,12 @@
-"""Build everything a training run needs, in small ``build_*`` steps, into one :class:`Trainer`.
+"""Build everything a training run needs into one :class:`Trainer`, a package at a time.
 
-Order matters: the process group first (Accelerate), then config checks that need the world size and
-the data, then tokenizer and model (identical on every rank), optimizer, queue and momentum encoder,
-the data stream; then a resume loads the saved states into the *unwrapped* objects; only then are
-model and optimizer handed to Accelerate (DDP / DeepSpeed wrap them).
+Order matters: the process group first (Accelerate); the loss's terms parsed and the config resolved;
+the encoder's tokenizer; then the data, whole, before any weights (the plan: the config held against the
+world size and the data; the batches, pipeline/data/build.py; the held-out rows), so that a mistake there
+fails in seconds, and only then ``config.yaml``; then the model (encoder and heads, identical on every
+rank), the loss's terms with their state (queue, momentum encoder: pipeline/losses/terms.py), the
+optimizer and the schedule. A resume loads the saved states into the *unwrapped* objects after the model
+and optimizer are handed to Accelerate (DDP / DeepSpeed wrap them).
 """
 
 from __future__ import annotations
@@ -22,16 +25,11 @@ from torch import nn
 
 from pipeline import distributed as dist
 from pipeline.config import from_dict, to_dict
-from pipeline.data.collate import MLMCollator, PairCollator, PairShardCollator, ViewCollator, token_layout
-from pipeline.data.holdout import HeldOut, read_holdout, split_blocks
-from pipeline.data.labelled import memory_columns
-from pipeline.data.pairs import read_records
-from pipeline.data.sources import pair_order
-from pipeline.data.stream import BatchStream, MemorySource, ShardSource, index_shards
-from pipeline.data.token_ids import tokenising_on_gpu
+from pipeline.data.build import build_stream, training_texts
+from pipeline.data.holdout import HeldOut, read_holdout
+from pipeline.data.stream import BatchStream
 from pipeline.devices import bind_local_device, probe_cuda
-from pipeline.errors import ConfigError, InputError, PipelineError
-from pipeline.evaluate.sts import PairSet, read_pair_file
+from pipeline.errors import ConfigError
 from pipeline.losses.legacy import split_objective
 from pipeline.losses.terms import TermContext, TrainLoss
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
@@ -39,17 +37,16 @@ from pipeline.model.compile import prepare_encoder
 from pipeline.model.encoder import load_tokenizer as load_model_tokenizer
 from pipeline.model.heads import MLMHead, TrainModule
 from pipeline.model.layers import keep_layers, reinitialise, set_dropout
-from pipeline.model.vocab import SCRATCH_SMALL, read_model_config, unk_rate, write_vocab
-from pipeline.resources import EVAL_DIR
-from pipeline.shards import ShardSet, read_shard, read_shard_set, shard_paths
+from pipeline.model.vocab import SCRATCH_SMALL, eval_unk_rates, read_model_config, write_vocab
+from pipeline.shards import read_shard_set
 from pipeline.train.callbacks import Callbacks
 from pipeline.train.checkpoint import Checkpointer, check_compatible
 from pipeline.train.config import Config, OptimConfig, resolve_saved_paths
 from pipeline.train.metrics import MetricsLogger
-from pipeline.train.plan import DataPlan, check_against_data
+from pipeline.train.plan import check_against_data
 from pipeline.train.schedule import LRSchedule
 from pipeline.train.signals import PreemptionHandler
-from pipeline.train.speed import DeviceSetup, loader_workers, resolve_setup
+from pipeline.train.speed import DeviceSetup, resolve_setup
 
 log = logging.getLogger(__name__)
 TOKENIZER_DIR = "tokenizer"
@@ -95,7 +92,6 @@ class Trainer:
     total_steps: int
     checkpointer: Checkpointer | None = None
     preemption: PreemptionHandler | None = None
-    sts_valid: PairSet | None = None  # rank 0 only: the STS-B valid pairs scored by evaluate()
     holdout: HeldOut | None = None  # rank 0 only: data.holdout_rows's rows, for the teacher agreement
     callbacks: Callbacks = field(default_factory=Callbacks)  # hooks into the run (train() sets them)
     engine: Any = None  # the step's engine (pipeline/train/engines.py), chosen once by train()
@@ -213,27 +209,12 @@ def device_line(accelerator: Any, setup: DeviceSetup, timeout_s: float) -> str:
     )
 
 
-def training_texts(cfg: Config, limit: int) -> list[str]:
-    """Sentences of the training data (never the evaluation sets), for the character vocabulary."""
-    loss = cfg.terms()
-    if not loss.unsupervised:  # a supervised file: its texts, not its labels
-        records = read_records(cfg.data.supervised_file, loss.data)
-        return [t for r in records for t in r[:-1] if isinstance(t, str)][:limit]
-    texts: list[str] = []
-    for path in shard_paths(cfg.data.shards):
-        for table in read_shard(path):
-            texts.extend(table.column("text").to_pylist())
-            if len(texts) >= limit:
-                return texts[:limit]
-    return texts
-
-
 def build_tokenizer(cfg: Config) -> Any:
     """The scratch model's char tokenizer: built on rank 0 from training text, reused on resume."""
     folder = cfg.run_dir / TOKENIZER_DIR
     if dist.is_main_process() and not (folder / "vocab.txt").is_file():
-        m = cfg.model
-        texts = training_texts(cfg, m.vocab_max_sentences)
+        m, loss = cfg.model, cfg.terms()
+        texts = training_texts(cfg.data, loss.data, m.vocab_max_sentences)  # never the evaluation sets
         vocab = build_char_vocab(texts, m.vocab_min_count, m.vocab_max_size)
         folder.mkdir(parents=True, exist_ok=True)
         write_vocab(vocab, folder / "vocab.txt")
@@ -282,20 +263,6 @@ def build_encoder(cfg: Config, tokenizer: Any = None) -> SentenceEncoder:
     )
 
 
-def report_unk_rate(encoder: SentenceEncoder, metrics: MetricsLogger, lines: int = 500) -> dict[str, float]:
-    """[UNK] share of tokens (:func:`pipeline.model.unk_rate`) on each evaluation set (first ``lines``
-    pairs), logged and recorded."""
-    rates = {}
-    for path in sorted(EVAL_DIR.glob("*.tsv")):
-        texts = []
-        for line in path.read_text(encoding="utf-8").splitlines()[:lines]:
-            texts.extend(f for f in line.split("\t") if f and not f.lstrip("-").isdigit())
-        rates[path.stem] = round(unk_rate(encoder.tokenizer, texts), 5)
-    log.info("[UNK] rate on the evaluation sets: %s", rates)
-    metrics.log({"event": "unk_rate", **rates})
-    return rates
-
-
 def build_optimizer(o: OptimConfig, module: nn.Module, fused: bool) -> torch.optim.Optimizer:
     """AdamW; biases and LayerNorm weights get no weight decay (they are not scale-like). ``fused``:
     ``optim.fused`` resolved for the device (:class:`~pipeline.train.speed.DeviceSetup`)."""
@@ -325,74 +292,6 @@ def autocast_bf16_on_cpu(module: nn.Module) -> None:
         return tuple(o.float() for o in out) if isinstance(out, tuple) else out.float()
 
     module.forward = autocast_forward
-
-
-def shard_blocks(shards: ShardSet, verify: bool, rank: int) -> list[Any]:
-    """Every rank reads the small block indexes itself; rank 0 alone checks their sha256s and broadcasts
-    only whether they passed (a message or None), never the index (it grows with the data)."""
-    error: str | None = None
-    try:
-        blocks = index_shards(shards, verify=verify and rank == 0, check_blocks=verify)
-    except PipelineError as exc:
-        blocks, error = [], f"{type(exc).__name__}\0{exc}"
-    error = dist.broadcast_object(error)
-    if error is not None:
-        kind, message = error.split("\0", 1)
-        raise (InputError if kind == "InputError" else ConfigError)(message)
-    return blocks
-
-
-def build_stream(
-    cfg: Config,
-    plan: DataPlan | ShardSet | None,
-    tokenizer: Any,
-    rank: int,
-    world: int,
-    prefix: str = "",
-    device: str = "cpu",
-) -> BatchStream:
-    """This rank's batches, as ``plan`` (:func:`pipeline.train.plan.check_against_data`) resolved them;
-    a shard set (None: the supervised file) is resolved here first. ``prefix`` is the encoder's text
-    prefix, put before every text once. On ``device`` cuda the batches are pinned and
-    ``data.num_workers: auto`` takes the CPUs per rank (pipeline/train/speed.py)."""
-    d, t = cfg.data, cfg.train
-    workers = loader_workers(d.num_workers, device)
-    if not isinstance(plan, DataPlan):
-        plan = check_against_data(cfg, plan, world, tokenizer, prefix)
-    model = cfg.model.name_or_path
-    tokenising_on_gpu(device, plan.shard_set, plan.token_ids, plan.pairs, d.max_length, model)  # one line
-    order: dict[str, Any] = {}  # pair shards: their batch order by source (pipeline/data/sources.py)
-    if plan.pairs:  # pair shards: anchors then positives (docs/pairs.md)
-        blocks = shard_blocks(plan.shard_set, d.verify_shards, rank)
-        # with teacher_positive: distill reads both
-        collate = PairShardCollator(
-            tokenizer, d.max_length, prefix, plan.teacher, plan.text_hashes, plan.num_dropout_views
-        )  # luse on pairs: d dropout re-encodings of the anchors
-        source: Any = ShardSource(blocks, collate.columns)
-        order = pair_order(d, plan.shard_set, blocks)
-    elif plan.shard_set is not None:
-        blocks = shard_blocks(plan.shard_set, d.verify_shards, rank)
-        blocks, _ = split_blocks(blocks, d.holdout_rows, d.shards)  # data.holdout_rows: never in a batch
-        collate = ViewCollator(
-            tokenizer, d.max_length, plan.num_variants, plan.num_dropout_views, prefix, plan.teacher,
-            plan.num_hard_negatives, plan.token_ids, plan.text_hashes,
-        )  # fmt: skip
-        source = ShardSource(blocks, collate.columns)
-        if plan.mlm_probability is not None:  # masks drawn in the loader workers, from the data cursor
-            collate = MLMCollator(collate, tokenizer, t.seed, plan.mlm_probability)
-    else:  # a supervised file (and its teacher vectors: pipeline/data/labelled.py)
-        labels = plan.label_dtype is not None
-        columns = memory_columns(d.supervised_file, plan.source, plan.num_texts, labels, plan.pair_teacher,
-                                 d.holdout_rows)  # fmt: skip
-        text_columns = [f"text{i}" for i in range(plan.num_texts)]
-        collate = PairCollator(tokenizer, d.max_length, text_columns, plan.label_dtype, prefix, plan.teacher)
-        source = MemorySource(columns, text_columns)
-    collate = token_layout(collate, tokenizer.pad_token_id, d.max_length, t)  # unpadded / bucketed widths
-    window = d.bucket_window if d.length_bucketing else 0
-    return BatchStream(
-        source, collate, t.global_batch_size, rank, world, t.seed, workers, d.prefetch_factor, window,
-        pin_memory=device == "cuda", **order,
-    )  # fmt: skip
 
 
 def build_checkpointer(cfg: Config, model: nn.Module) -> Checkpointer:
@@ -447,18 +346,27 @@ def build(cfg: Config) -> Trainer:
     accelerator, setup = build_accelerator(cfg)
     # config.yaml, the checkpoints and the loop see the resolved precision and fused AdamW
     cfg.train.mixed_precision, cfg.optim.fused = setup.mixed_precision, setup.fused
+    world, rank, main = accelerator.num_processes, accelerator.process_index, accelerator.is_main_process
+    loss = cfg.terms()  # the config's loss list, parsed once
     run_config = to_dict(cfg)  # the resolved config, once: config.yaml and every checkpoint record it
-    world, rank = accelerator.num_processes, accelerator.process_index
-    loss = cfg.terms()
     shard_set = read_shard_set(cfg.data.shards) if loss.unsupervised else None  # the manifest, once
     tokenizer, prefix = load_tokenizer(cfg)  # before the weights: the data checks need it
-    plan = check_against_data(cfg, shard_set, world, tokenizer, prefix)  # every check of the data
-    write_run_config(cfg.run_dir, run_config)
-    dist.barrier()
-    started = time.perf_counter()  # the batches (index checks, a supervised file read) before any model
-    stream = build_stream(cfg, plan, tokenizer, rank, world, prefix, accelerator.device.type)
-    planned = time.perf_counter() - started
 
+    # The data, whole, before any model: every check of the config against it (the plan), this rank's
+    # batches (index checks, a supervised file read), the rows held out of them for the evaluation.
+    plan = check_against_data(cfg, shard_set, world, tokenizer, prefix)
+    started = time.perf_counter()
+    stream = build_stream(
+        plan, cfg.data, cfg.train, tokenizer, rank, world, prefix, setup.device, setup.workers,
+        cfg.model.name_or_path,
+    )  # fmt: skip
+    planned = time.perf_counter() - started
+    holdout = read_holdout(cfg.data, plan) if main and cfg.data.holdout_rows else None  # rank 0's
+    write_run_config(cfg.run_dir, run_config)  # once the data passed its checks
+    dist.barrier()
+
+    # The model, identical on every rank, the loss's head and its terms, built once, each with its own
+    # state (luse's queue and momentum encoder, kl's teacher queue) from the encoder as initialised.
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     started = time.perf_counter()
     encoder = build_encoder(cfg, tokenizer)
@@ -466,28 +374,32 @@ def build(cfg: Config) -> Trainer:
     if cfg.model.freeze_embeddings:
         encoder.backbone.get_input_embeddings().requires_grad_(False)
     head = loss.build_head(encoder.dim, plan.teacher_dim or 0)  # the teacher's width from the manifest
+    terms = TrainLoss(loss, TermContext(encoder, encoder.dim, plan.teacher_dim or 0, loss.needs))
+    copies = terms.copies()  # encoder copies the terms run (a momentum encoder): precision below
     mlm_head = None
     if loss.needs.mlm_probability is not None:  # after the encoder: without MLM the initial weights as before
         bc = encoder.backbone.config
         mlm_head = MLMHead(encoder.dim, bc.vocab_size, getattr(bc, "layer_norm_eps", 1e-12))
     module = TrainModule(encoder, head, mlm_head).to(accelerator.device)
-    torch.manual_seed(cfg.train.seed + 1000 * rank)  # dropout differs per rank, and reproducibly
-    metrics = MetricsLogger(cfg.run_dir, enabled=accelerator.is_main_process)
-    if accelerator.is_main_process:
-        report_unk_rate(encoder, metrics)
-    total = cfg.train.max_steps or cfg.train.epochs * stream.batches_per_epoch
-    optimizer = build_optimizer(cfg.optim, module, setup.fused)
-    # The loss, built once: each term with its own state (luse's queue and momentum encoder, kl's teacher
-    # queue), from the encoder as initialised and the teacher's width in the manifest.
-    terms = TrainLoss(loss, TermContext(encoder, encoder.dim, plan.teacher_dim or 0, loss.needs))
     terms.to(accelerator.device)
+    torch.manual_seed(cfg.train.seed + 1000 * rank)  # dropout differs per rank, and reproducibly
+    prepare_encoder(module.encoder, cfg.train)  # train.unpadded/pad_to_multiple_of/compile; after the copies
+    unk_rates = eval_unk_rates(encoder.tokenizer) if main else {}  # [UNK] share on the evaluation sets
+
+    # The training state around them: precision, the log, the optimizer and its schedule.
     precision = setup.mixed_precision
     if precision == "bf16" and accelerator.device.type == "cpu":
-        for m in (module, *(copy.encoder for copy in terms.copies())):
+        for m in (module, *(copy.encoder for copy in copies)):
             autocast_bf16_on_cpu(m)
     if accelerator.device.type == "cuda" and precision != "no":
-        for copy in terms.copies():  # a momentum encoder: Accelerate autocasts the online model only
+        for copy in copies:  # a momentum encoder: Accelerate autocasts the online model only
             copy.autocast = torch.bfloat16 if precision == "bf16" else torch.float16
+    metrics = MetricsLogger(cfg.run_dir, enabled=main)
+    if main:
+        log.info("[UNK] rate on the evaluation sets: %s", unk_rates)
+        metrics.log({"event": "unk_rate", **unk_rates})
+    total = cfg.train.max_steps or cfg.train.epochs * stream.batches_per_epoch
+    optimizer = build_optimizer(cfg.optim, module, setup.fused)
     log.info(
         "data: %d samples in %d blocks, %d global batches of %d per epoch, %d dropped per epoch; %d steps "
         "in all (planned in %.2f s)",
@@ -499,14 +411,9 @@ def build(cfg: Config) -> Trainer:
         total,
         planned,
     )
-    prepare_encoder(module.encoder, cfg.train)  # train.unpadded/pad_to_multiple_of/compile
     model, optimizer = accelerator.prepare(module, optimizer)
     o = cfg.optim
     schedule = LRSchedule(optimizer, o.lr, o.warmup_steps, total, o.schedule, o.min_lr_ratio)
-    sts_valid = None
-    if accelerator.is_main_process:
-        sts_valid = read_pair_file(EVAL_DIR / "STS-B.valid.tsv").first(cfg.train.eval_max_pairs)
-    holdout = read_holdout(cfg.data, plan) if accelerator.is_main_process and cfg.data.holdout_rows else None
     trainer = Trainer(
         cfg=cfg,
         run_config=run_config,
@@ -522,7 +429,6 @@ def build(cfg: Config) -> Trainer:
         total_steps=total,
         checkpointer=build_checkpointer(cfg, model),
         preemption=PreemptionHandler().install(),
-        sts_valid=sts_valid,
         holdout=holdout,
     )
     resume(trainer)

@@ -4,7 +4,7 @@ Checks that need only the config live in ``__post_init__``; checks that need the
 data on disk (global batch vs ranks, k vs the cached variants, the teacher, its width and the hard
 negatives the shards hold, their token ids) live in :func:`pipeline.train.plan.check_against_data`,
 which :func:`pipeline.train.build.build` calls with the shard set's manifest (read once) before it
-builds a model, and which returns the resolved :class:`~pipeline.train.plan.DataPlan`. Every mistake
+builds a model, and which returns the resolved :class:`~pipeline.data.plan.DataPlan`. Every mistake
 is a :class:`ConfigError` whose message says what to change.
 """
 

@@ -1,8 +1,8 @@
 """The engines of one optimizer step over a rank's micro-batches: plain (one process or DDP), GradCache
 and DeepSpeed, each returning the same :class:`StepResult`, and the non-finite guard's part in them.
 
-Every micro-batch goes the same short way: ``rows = forward(...)``; ``out = t.loss(rows, batch)`` (the
-terms, :class:`~pipeline.losses.terms.TrainLoss`); the engine's backward and step; and, when the step is
+Every micro-batch goes the same short way: ``rows = forward(...)``; ``out = t.loss.compute(rows, batch)``
+(the terms, :class:`~pipeline.losses.terms.TrainLoss`); the engine's backward and step; and, when the step is
 applied, ``t.loss.after_micro_batch(...)`` (the terms' queues). Hooks (:mod:`pipeline.train.callbacks`)
 see the loss before its backward and the guard's verdict.
 """
@@ -26,7 +26,7 @@ def term_loss(t: Trainer, encoded: Encoded, mb: Batch) -> LossOut:
     :class:`~pipeline.losses.terms.Rows` the model gave and the batch: the weighted total, each term's
     value and the counts terms report), as the hooks leave it (``Callbacks.on_loss``). ``encoded`` is what
     the model's forward returned: the rows (N, H), or (rows, MLM logits (B, L, V)) with an MLM head."""
-    return t.callbacks.on_loss(t, mb, t.loss(Rows.of(encoded, mb, t.module.head), mb))
+    return t.callbacks.on_loss(t, mb, t.loss.compute(Rows.of(encoded, mb, t.module.head), mb))
 
 
 def forward(t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch) -> Any:
@@ -35,11 +35,6 @@ def forward(t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch) -> Any:
     if t.module.mlm_head is None:
         return t.model(**inputs)
     return t.model(**inputs, mlm_input_ids=mb.mlm_input_ids.to(t.accelerator.device, non_blocking=True))
-
-
-def micro_batches(batch: Batch, parts: int) -> list[Batch]:
-    """A rank's batch as ``parts`` micro-batches of whole sentences (:meth:`Batch.split`)."""
-    return batch.split(parts)
 
 
 def guarded(t: Trainer) -> bool:
@@ -152,20 +147,22 @@ def judge_and_step(t: Trainer, result: StepResult, guard: GuardPolicy) -> None:
 
 
 class Engine:
-    """One optimizer step over a rank's micro-batches, ``engine.run(t, micro_batches, guard)``: the one
-    micro-batch loop every engine shares. Each micro-batch: :meth:`forward_backward` (rows = forward(batch);
-    out = loss(rows, batch); backward), then at the last :meth:`step`; when the step is applied (as far as
-    the host knows) the loss's terms update their state (``t.loss.after_micro_batch``: enqueue, a
-    collective). Each micro-batch enqueues before the verdict is known: with several micro-batches under
-    the guard the terms' queues are copied first and put back when the step is refused."""
+    """One optimizer step over a rank's batch, ``engine.run(t, batch, guard)``: the one micro-batch loop every
+    engine shares, over ``train.grad_accum_steps`` micro-batches of whole sentences
+    (:meth:`~pipeline.data.collate.Batch.split`), each moved to the device with what the loss reads of it.
+    Each micro-batch: :meth:`forward_backward` (rows = forward(batch); out = loss.compute(rows, batch);
+    backward), then at the last :meth:`step`; when the step is applied (as far as the host knows) the loss's
+    terms update their state (``t.loss.after_micro_batch``: enqueue, a collective). Each micro-batch enqueues
+    before the verdict is known: with several micro-batches under the guard the terms' queues are copied first
+    and put back when the step is refused."""
 
-    def run(self, t: Trainer, mbs: list[Batch], guard: GuardPolicy | None = None) -> StepResult:
+    def run(self, t: Trainer, batch: Batch, guard: GuardPolicy | None = None) -> StepResult:
         guard = guard_policy(t) if guard is None else guard
-        acc = t.accelerator
-        snapshot = t.loss.snapshot() if guard.judges and len(mbs) > 1 else []
+        acc, parts = t.accelerator, t.cfg.train.grad_accum_steps
+        snapshot = t.loss.snapshot() if guard.judges and parts > 1 else []
         result: StepResult | None = None
-        for mb in mbs:
-            inputs = mb.inputs(acc.device)
+        for mb in batch.split(parts):
+            inputs, mb = mb.inputs(acc.device), mb.sentences_to(acc.device)  # what the loss reads too
             with acc.accumulate(t.model):
                 part, rows, check = self.forward_backward(t, inputs, mb, guard)
                 parts = [*(result.parts if result else []), part.detach()]

@@ -1,8 +1,8 @@
 """The training loop: :func:`train` (steps, logging, evaluation, checkpoints) and :func:`train_step`.
 
 A step: the run's engine (pipeline/train/engines.py, chosen once) runs each micro-batch as ``rows =
-forward(batch)``, ``out = t.loss(rows, batch)`` (the terms, pipeline/losses/terms.py), backward, and the
-optimizer step; then the terms update their state (queues, momentum encoder). What the guard makes of the
+forward(batch)``, ``out = t.loss.compute(rows, batch)`` (the terms, pipeline/losses/terms.py), backward, and
+the optimizer step; then the terms update their state (queues, momentum encoder). What the guard makes of the
 step is pipeline/train/accounting.py's, checkpoints pipeline/train/checkpointing.py's, hooks
 pipeline/train/callbacks.py's.
 
@@ -33,13 +33,7 @@ from pipeline.train.accounting import APPLIED, ROLLED_BACK, account, start_guard
 from pipeline.train.build import Trainer
 from pipeline.train.callbacks import Callbacks, as_callbacks
 from pipeline.train.checkpointing import RunCheckpoints, finish
-from pipeline.train.engines import (
-    Engine,
-    StepResult,
-    backward_and_step,
-    guard_policy,
-    micro_batches,
-)
+from pipeline.train.engines import Engine, StepResult, backward_and_step, guard_policy
 from pipeline.train.evaluation import evaluate
 from pipeline.train.guard import DeviceCheck
 from pipeline.train.metrics import Throughput, alignment_uniformity
@@ -60,7 +54,7 @@ def train_step(t: Trainer, batch: Batch) -> dict[str, Any]:
     """
     t.schedule.apply(t.state.step)  # before backward: DeepSpeed steps inside accelerator.backward
     engine: Engine = t.engine or backward_and_step(t)  # chosen once by train(); a bare call chooses here
-    result = engine.run(t, micro_batches(batch, t.cfg.train.grad_accum_steps), t.guard)
+    result = engine.run(t, batch, t.guard)  # over train.grad_accum_steps micro-batches
     if result.applied:
         t.loss.after_step(t.module.encoder, result.apply)  # e.g. the momentum encoder follows
         t.state.step += 1  # deferred: provisional, a skip found at the next log step is taken back

@@ -41,6 +41,7 @@ class DeviceSetup:
     mixed_precision: str  # train.mixed_precision as Accelerate takes it: "no", "fp16" or "bf16"
     fused: bool  # optim.fused, auto resolved
     deepspeed: dict[str, Any] | None = None  # train.deepspeed_config as the engine takes it
+    workers: int = CPU_WORKERS  # data.num_workers, auto resolved (:func:`loader_workers`)
 
 
 def resolve_setup(cfg: Config, probe: CudaProbe) -> DeviceSetup:
@@ -55,6 +56,7 @@ def resolve_setup(cfg: Config, probe: CudaProbe) -> DeviceSetup:
         mixed_precision=resolve_precision(cfg.train.mixed_precision, device),  # auto: bf16 on GPUs
         fused=cfg.optim.fused is True or (cfg.optim.fused == "auto" and device == "cuda"),
         deepspeed=deepspeed_settings(cfg) if cfg.train.deepspeed_config else None,
+        workers=loader_workers(cfg.data.num_workers, device),  # auto: the CPUs per rank on CUDA
     )
 
 

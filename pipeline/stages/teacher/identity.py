@@ -4,7 +4,7 @@ A teacher is recorded under ``"teacher"``: the name it was given (``--model``), 
 its weights and tokenizer (:func:`model_hash`), pooling, prefix, dimension, max_length and the stored
 dtype. Reading that record back (:func:`pipeline.vectors.matches`, :func:`pipeline.vectors.stored_dtype`)
 is part of the shard format, so the trainer checks ``data.teacher`` against it without importing this
-stage (pipeline/train/plan.py).
+stage (pipeline/data/plan.py).
 """
 
 from __future__ import annotations
