@@ -132,7 +132,8 @@ def test_a_student_with_other_layers_is_rebuilt_with_its_training(tmp_path):
     # a student with the main job's layers is kept, and so is its training
     student.mkdir()
     train.mkdir()
-    (student / "encoder.json").write_text(json.dumps({**old, "surgery": {"layers": [0, 2, 4, 6, 8, 11]}}, indent=2))
+    same = {**old, "surgery": {"layers": [0, 2, 4, 6, 8, 11]}}
+    (student / "encoder.json").write_text(json.dumps(same, indent=2))
     done = _run(tmp_path)
     assert done.returncode == 0, done.stderr
     assert len(_student_calls(tmp_path)) == 1 and train.exists(), done.stderr

@@ -73,7 +73,7 @@ class Rows:
 
     views: torch.Tensor  # (n, B, H) L2-normalised: view v of sentence b at [v, b] (a pair: anchor, positive)
     hard_negatives: torch.Tensor | None = None  # (m, B, H): negative j of sentence b at [j, b]
-    mlm_logits: torch.Tensor | None = None  # (B, L, V) the MLM head over the masked originals
+    mlm_logits: torch.Tensor | None = None  # (M, V) at the selected positions, or (B, L, V)
     head: nn.Module | None = None  # the trainable head (sbert classifier or the teacher projection)
     gather: bool = True  # gather candidates across ranks (a collective)
     prefix: Prefix | None = None  # the rows are a matryoshka prefix (None: the full width)
@@ -83,7 +83,7 @@ class Rows:
 
     @staticmethod
     def of(encoded: Encoded, batch: Batch, head: nn.Module | None) -> Rows:
-        """What the model's forward returned, the rows (N, H) or (rows, MLM logits (B, L, V)), laid out
+        """What the model's forward returned, the rows (N, H) or (rows, MLM logits (M, V)), laid out
         by ``batch``: rows [0, n*B) are the n views, rows [n*B, (n+m)*B) the m hard negatives."""
         rows, mlm_logits = encoded if isinstance(encoded, tuple) else (encoded, None)
         n, m = batch.num_views, batch.num_hard_negatives

@@ -25,13 +25,14 @@ def term_loss(t: Trainer, encoded: Encoded, mb: Batch) -> LossOut:
     """The loss over one micro-batch (the run's built :class:`~pipeline.losses.terms.TrainLoss` on the
     :class:`~pipeline.losses.terms.Rows` the model gave and the batch: the weighted total, each term's
     value and the counts terms report), as the hooks leave it (``Callbacks.on_loss``). ``encoded`` is what
-    the model's forward returned: the rows (N, H), or (rows, MLM logits (B, L, V)) with an MLM head."""
+    the model's forward returned: the rows (N, H), or (rows, MLM logits (M, V)) with an MLM head."""
     return t.callbacks.on_loss(t, mb, t.loss.compute(Rows.of(encoded, mb, t.module.head), mb))
 
 
 def forward(t: Trainer, inputs: dict[str, torch.Tensor], mb: Batch) -> Any:
-    """The model's forward of one micro-batch: rows (N, H), with an MLM head also the logits (B, L, V)
-    of the masked originals (in the same forward, so DDP sees each parameter used once per step)."""
+    """The model's forward of one micro-batch: rows (N, H), with an MLM head also the logits (M, V) at
+    the M selected positions of the masked originals (``mlm_positions`` in the inputs), in the same
+    forward, so DDP sees each parameter used once per step."""
     if t.module.mlm_head is None:
         return t.model(**inputs)
     return t.model(**inputs, mlm_input_ids=mb.mlm_input_ids.to(t.accelerator.device, non_blocking=True))
