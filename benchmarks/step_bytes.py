@@ -1,7 +1,7 @@
 """The bytes outside the encoder (issue 41, item 5) on CPU: the embedding table's share of the optimizer
 step, and the MLM head at every position against the head on the selected positions only.
 
-The main job's step as ``benchmarks/step_layouts.py`` builds it (the 4-layer student of
+The main job's step as ``benchmarks/step_layouts.py`` builds it (by default the 4-layer student of
 multilingual-e5-small with its embedding table cut to ``--vocab`` rows: 38M of its 45M parameters; 64
 real sentences of the bundled corpus per step, max_length 48, length-bucketed; the distill cosine loss
 against fixed teacher vectors; bf16 autocast; fused AdamW; dropout 0), in four variants, each with its
@@ -37,7 +37,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from step_layouts import BATCH, LAYERS, MAX_LENGTH, batches, student
+from step_layouts import BATCH, MAX_LENGTH, batches, student, student_options
 
 from pipeline.data.collate import Batch, TokenLayout, ViewCollator
 from pipeline.data.masking import batch_generator, mask_tokens
@@ -133,18 +133,15 @@ def masked(batch: Batch, index: int, special: list[int], mask_id: int, vocab: in
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="the e5-small folder (python -m pipeline models fetch)")
+    student_options(p)
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
-    p.add_argument("--vocab", type=int, default=99_000, help="rows of the student's embedding table")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--layers", default=",".join(map(str, LAYERS)), help="the layers the student keeps")
     p.add_argument("--updates", type=int, default=20, help="optimizer steps, momentum updates per form")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    tokenizer = SentenceEncoder.from_pretrained(args.model).tokenizer
-    prefix = SentenceEncoder.from_pretrained(args.model).prefix
-    rows, used, pad_id = batches(tokenizer, prefix, args.warmup + args.steps, 0)
+    encoder = SentenceEncoder.from_pretrained(args.model)  # loaded once: its tokenizer and prefix
+    tokenizer = encoder.tokenizer
+    rows, used, pad_id = batches(tokenizer, encoder.prefix, args.warmup + args.steps, 0)
     base = student(args.model, args.vocab, used, [int(i) for i in args.layers.split(",")])
     renumber = {old: new for new, old in enumerate(used)}
     special = sorted(renumber[i] for i in tokenizer.all_special_ids if i in renumber)

@@ -1,8 +1,9 @@
 """The main job's distillation step on CPU, eager padded vs unpadded vs compiled, side by side.
 
-The step of launch/configs/distill.yaml: the 4-layer student of multilingual-e5-small (layers 0, 4, 8,
-11; its word-embedding table cut to ``--vocab`` rows, the size of the student whose vocabulary
-``pipeline student`` trims to the corpus: 38M of its 45M parameters), 64 real sentences per step (the
+The step of launch/configs/distill.yaml as it was measured: the 4-layer student of multilingual-e5-small
+(layers 0, 4, 8, 11, the main job's student before its 6-layer cut; ``--layers`` takes others; its
+word-embedding table cut to ``--vocab`` rows, the size of the student whose vocabulary ``pipeline
+student`` trims to the corpus: 38M of its 45M parameters), 64 real sentences per step (the
 bundled corpus, e5's "query: " prefix, max_length 48) batched as ``data.length_bucketing`` does
 (sorted by length within windows of 50 batches, batches shuffled), the distill cosine loss against
 fixed teacher vectors, bf16 autocast and fused AdamW. Each variant has its own copy of the student
@@ -44,6 +45,14 @@ from pipeline.resources import sample_sentences
 
 BATCH, MAX_LENGTH, WINDOW = 64, 48, 50
 LAYERS = (0, 4, 8, 11)
+
+
+def student_options(p: argparse.ArgumentParser) -> None:
+    """The options that say which student a step benchmark builds (shared with step_bytes.py)."""
+    p.add_argument("--model", required=True, help="the e5-small folder (python -m pipeline models fetch)")
+    p.add_argument("--vocab", type=int, default=99_000, help="rows of the student's embedding table")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--layers", default=",".join(map(str, LAYERS)), help="the layers the student keeps")
 
 
 def student(model: str, vocab: int, used_ids: list[int], layers: list[int]) -> TrainModule:
@@ -98,12 +107,9 @@ def step(module: TrainModule, optimizer: torch.optim.Optimizer, batch: Batch, te
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="the e5-small folder (python -m pipeline models fetch)")
+    student_options(p)
     p.add_argument("--steps", type=int, default=15, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps per variant (compiling included)")
-    p.add_argument("--vocab", type=int, default=99_000, help="rows of the student's embedding table")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--layers", default=",".join(map(str, LAYERS)), help="the layers the student keeps")
     p.add_argument("--compile", action="store_true", help="also the compiled variants (inductor)")
     p.add_argument(
         "--window", type=int, default=WINDOW, help="length-bucketing window in batches (1 = no bucketing)"
