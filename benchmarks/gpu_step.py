@@ -467,8 +467,11 @@ def step_measure(
     cuda = device == "cuda"
     trainer.model.train()
     it = batches(trainer)
+    warm_widths = []
     for _ in range(warmup):
-        train_step(trainer, next(it))
+        batch = next(it)
+        warm_widths.append(batch_lengths(batch)[1])  # which widths the timed steps meet for the first time
+        train_step(trainer, batch)
     clock = SectionClock(trainer) if cuda else None
     waits, host_steps, lengths, epoch_starts = [], [], [], 0
     if cuda:
@@ -506,6 +509,9 @@ def step_measure(
         "data_wait_ms_total": round(1e3 * sum(waits), 1),
         "data_wait_share": round(sum(waits) / wall, 4),
         "host_step_ms_median": round(1e3 * statistics.median(host_steps), 3),
+        "host_step_ms_each": [round(1e3 * t, 2) for t in host_steps],  # a median hides one-off costs
+        "padded_length_each": [int(f["length"]) for f in flops],
+        "warmup_padded_length_each": warm_widths,
         "epoch_starts_in_timed_steps": int(epoch_starts),
         "batches_per_epoch": trainer.stream.batches_per_epoch,
         "loader_workers": trainer.stream.num_workers,
@@ -520,6 +526,9 @@ def step_measure(
         record["sections_ms_median"] = clock.medians_ms()
         busy_s = sum(m["step_start"].elapsed_time(m["step_end"]) for m in clock.marks) / 1e3
         record["sequences_per_s_steps_only"] = round(sequences / busy_s, 1)  # the data waits left out
+        record["step_span_ms_each"] = [
+            round(m["step_start"].elapsed_time(m["step_end"]), 2) for m in clock.marks
+        ]
         clock.remove()
     if peak:
         record["mfu_nominal"] = round(padded_flops / wall / 1e12 / peak, 4)
@@ -556,7 +565,11 @@ def profile_steps(trainer: Any, steps: int, device: str) -> dict[str, Any]:
     device_type = torch.autograd.DeviceType.CUDA
     kernels = [e for e in events if e.device_type == device_type]
     by_kind: Counter[str] = Counter()
+    by_name: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
     for e in kernels:
+        by_name[e.name[:120]] += e.time_range.elapsed_us()
+        calls[e.name[:120]] += 1
         name = e.name.lower()
         kind = (
             "gemm" if any(s in name for s in ("gemm", "cutlass", "sm90", "xmma", "cublas")) else
@@ -581,6 +594,14 @@ def profile_steps(trainer: Any, steps: int, device: str) -> dict[str, Any]:
         "kernel_time_share": {k: round(v / total_us, 4) for k, v in by_kind.most_common()}
         if total_us
         else {},
+        "top_kernels": [
+            {
+                "name": n,
+                "ms_per_step": round(us / 1e3 / steps, 3),
+                "calls_per_step": round(calls[n] / steps, 1),
+            }
+            for n, us in by_name.most_common(15)
+        ],
     }
 
 
@@ -766,10 +787,99 @@ def run(args: argparse.Namespace) -> int:
                 )
                 section(sections, f"{label}/{which}/b{b}", budget, 30 if args.smoke else 90, measure)
                 save()
+        for label, *extra in (v.split() for v in args.variant):
+            for which in args.models:
+                b = args.detail_batch
+                measure = lambda w=which, b=b, extra=extra: variant_step(  # noqa: E731
+                    args, w, b, extra, work, device, gemm, peak
+                )
+                estimate = 30 if args.smoke else (90 if any("compile" in x for x in extra) else 40)
+                section(sections, f"{label}/{which}/b{b}", budget, estimate, measure)
+                save()
     finally:
         save()
         shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {out} ({results['elapsed_s']} s)")
+    return 0
+
+
+# a --variant's words that switch torch's SDPA backends off for its section (not config overrides)
+SDP_SWITCHES = {
+    "sdp=no_cudnn": "cudnn_sdp",
+    "sdp=no_flash": "flash_sdp",
+    "sdp=no_efficient": "mem_efficient_sdp",
+}
+
+
+def variant_step(
+    args: argparse.Namespace, which: str, batch: int, extra: list[str], work: Path, device: str,
+    gemm: dict[str, Any] | None, peak: float | None,
+) -> dict[str, Any]:  # fmt: skip
+    """A ``--variant``: the step with its config overrides and SDPA backends switched off, timed,
+    profiled and sync-checked; the backends are switched back afterwards."""
+    import torch
+
+    switches = [SDP_SWITCHES[x] for x in extra if x in SDP_SWITCHES]
+    overrides = [x for x in extra if x not in SDP_SWITCHES]
+    before = {name: getattr(torch.backends.cuda, f"{name}_enabled")() for name in switches}
+    for name in switches:
+        getattr(torch.backends.cuda, f"enable_{name}")(False)
+    try:
+        record = step_section(
+            args, which, batch, overrides, work, device, gemm, peak, ("step", "profile", "sync_debug")
+        )
+    finally:
+        for name, enabled in before.items():
+            getattr(torch.backends.cuda, f"enable_{name}")(enabled)
+    record["sdp_off"] = switches
+    return record
+
+
+# ------------------------------------------------------------------------------------------ report
+def report_rows(result: dict[str, Any]) -> list[list[str]]:
+    """One row per step section of a ``run`` JSON: the wall-clock rate, the steps over 3x the median
+    (one-off costs such as cuDNN attention plans for a new width or a recompile, which the wall clock
+    over 20 steps keeps and a long run does not), and the step at its median span (CUDA events)."""
+    peak = result.get("nominal_bf16_tflops")
+    rows = []
+    for name, r in result["sections"].items():
+        if not isinstance(r, dict) or "step_ms_wall" not in r:
+            continue
+        median = (r.get("sections_ms_median") or {}).get("step")
+        flops = r["tflops_padded"] * 1e9 * r["step_ms_wall"]  # per step: padded FLOPs over the wall clock
+        spans = r.get("step_span_ms_each")
+        slow = "—"
+        if spans and median:  # one-off costs (cuDNN attention plans, recompiles): steps over 3x the median
+            over = [t for t in spans if t > 3 * median]
+            slow = f"{len(over)}, up to {max(over):,.0f}" if over else "0"
+        tflops = flops / median / 1e9 if median else None
+        syncs = (r.get("sync_debug") or {}).get("syncs", "—")
+        profile = r.get("profile") or {}
+        rows.append([
+            name, f"{r['padded_length_median']:.0f}", f"{r['sequences_per_s']:,.0f}", slow,
+            f"{median:.1f}" if median else "—", f"{r['batch'] / median * 1e3:,.0f}" if median else "—",
+            f"{tflops:.0f}" if tflops else "—", f"{100 * tflops / peak:.1f} %" if tflops and peak else "—",
+            str(profile.get("kernels_per_step", "—")), str(profile.get("kernel_ms_per_step", "—")),
+            str(syncs), str(r.get("max_memory_gib", "—")),
+        ])  # fmt: skip
+    return rows
+
+
+REPORT_HEADER = (
+    "section", "padded width", "sequences/s (wall, 20 steps)", "steps > 3x median: count, ms",
+    "median step ms", "sequences/s at the median", "TFLOPS at the median", "MFU", "kernels/step",
+    "kernel ms/step", "syncs in 20 steps", "peak GiB",
+)  # fmt: skip
+
+
+def report(args: argparse.Namespace) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import table
+
+    for path in args.json:
+        result = json.loads(Path(path).read_text(encoding="utf-8"))
+        print(f"{path}: {result['device']}, torch {result['torch']}")
+        print(table(REPORT_HEADER, report_rows(result)))
     return 0
 
 
@@ -870,14 +980,24 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument(
         "--compile", nargs="*", default=[], help="train.compile modes to try (e.g. default reduce-overhead)"
     )
+    pr.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="'LABEL OVERRIDE...'",
+        help="one quoted word list: a label, then config overrides (and sdp=no_cudnn|no_flash|"
+        "no_efficient); the detail batch's step, profiled and sync-checked; repeatable",
+    )
     pr.add_argument("--unpadded", action="store_true", help="also the step with train.unpadded=true")
     pr.add_argument("--deepspeed", action="store_true", help="also the student's step under ZeRO-2")
     pr.add_argument("--deepspeed_timeout_s", type=float, default=150.0, help="the DeepSpeed child's limit")
     pr.add_argument("--deepspeed_only", action="store_true", help=argparse.SUPPRESS)
     pr.add_argument("--smoke", action="store_true", help="CPU, tiny: the prepared tiny data, a few steps")
     pr.add_argument("--allow_cpu", action="store_true", help="full sizes on CPU (slow; for checks)")
+    pp = sub.add_parser("report", help="markdown table of the step sections of run JSONs")
+    pp.add_argument("json", nargs="+", type=Path)
     args = p.parse_args(argv)
-    return prepare(args) if args.command == "prepare" else run(args)
+    return {"prepare": prepare, "run": run, "report": report}[args.command](args)
 
 
 if __name__ == "__main__":

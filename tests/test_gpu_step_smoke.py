@@ -39,14 +39,16 @@ def test_prepare_writes_the_folder_to_carry(prepared):
     assert tokenizer["max_length"] == 32
 
 
-def test_smoke_run_records_every_section(prepared, tmp_path, monkeypatch):
+def test_smoke_run_records_every_section(prepared, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the script sets it, as training does
     out = tmp_path / "smoke.json"
     argv = ["run", "--smoke", "--data", str(prepared), "--out", str(out), "--batches", "8",
             "--detail_batch", "8", "--workers", "1", "--warmup", "1", "--steps", "2", "--profile_steps", "1",
             "--sync_steps", "2", "--loader_workers", "0", "1", "--loader_batch", "16",
-            "--loader_repeats", "1", "--compile", "default", "--unpadded", "--budget_s", "120"]  # fmt: skip
+            "--loader_repeats", "1", "--compile", "default", "--unpadded", "--budget_s", "150",
+            "--variant=pad8 --train.pad_to_multiple_of=8 sdp=no_cudnn",
+            "--variant=bad --train.no_such_field=1"]  # fmt: skip
     with benchmark_module("gpu_step") as gpu_step:
         assert gpu_step.main(argv) == 0
     result = json.loads(out.read_text())
@@ -67,10 +69,40 @@ def test_smoke_run_records_every_section(prepared, tmp_path, monkeypatch):
         assert step["tflops_padded"] >= step["tflops_real"] > 0
         assert "random" in step["weights"] and step["gemm_tokens"]["measured_nearest"] in (8 * 24, 8 * 32)
         assert step["profile"]["aten_ops_per_step"] > 0
+        assert len(step["host_step_ms_each"]) == len(step["padded_length_each"]) == 2
+        assert len(step["warmup_padded_length_each"]) == 1
+        assert max(step["padded_length_each"]) <= length
         assert "needs CUDA" in step["sync_debug"]["skipped"]
         for label in ("compile=default", "unpadded"):  # recorded either way: measured or not available
             record = sections[f"{label}/{model}/b8"]
             assert "sequences_per_s" in record or "not available" in record.get("skipped", ""), record
+        padded8 = sections[f"pad8/{model}/b8"]  # a --variant: its overrides and SDPA switches applied
+        assert padded8["overrides"] == ["--train.pad_to_multiple_of=8"]
+        assert padded8["sdp_off"] == ["cudnn_sdp"]
+        assert all(n % 8 == 0 for n in padded8["padded_length_each"]), padded8["padded_length_each"]
+        assert "no_such_field" in sections[f"bad/{model}/b8"]["skipped"]
+    with benchmark_module("gpu_step") as gpu_step:  # the markdown report of that JSON
+        assert gpu_step.main(["report", str(out)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert lines[0].startswith("| section | padded width |")
+    timed = {name for name, r in sections.items() if isinstance(r, dict) and "step_ms_wall" in r}
+    assert {line.split(" | ")[0][2:] for line in lines[2:]} == timed  # a row for each timed step section
+    assert {"step/student/b8", "step/e5-small/b8", "pad8/student/b8", "pad8/e5-small/b8"} <= timed
+
+
+def test_report_counts_the_slow_steps_apart():
+    """Steps over 3x the median (cuDNN attention plans for a new width, recompiles) are counted apart
+    from the median step; a record without CUDA spans (CPU) has none to count."""
+    with benchmark_module("gpu_step") as gpu_step:
+        record = {"step_ms_wall": 50.0, "tflops_padded": 2.0, "padded_length_median": 32, "batch": 1024,
+                  "sequences_per_s": 20000.0, "sections_ms_median": {"step": 12.0},
+                  "step_span_ms_each": [100.0, 10.0, 12.0, 90.0, 11.0],
+                  "padded_length_each": [16, 16, 32, 48, 32], "overrides": []}  # fmt: skip
+        result = {"nominal_bf16_tflops": 1000.0, "sections": {
+            "cuda": record, "cpu": {**record, "step_span_ms_each": None}}}  # fmt: skip
+        cuda, cpu = gpu_step.report_rows(result)
+    assert cuda[3] == "2, up to 100" and cpu[3] == "—"  # 100 and 90 ms over 3 x 12 ms
+    assert cuda[4:8] == ["12.0", "85,333", "8", "0.8 %"]  # 1024 / 12 ms; 2 TFLOPS x 50 ms / 12 ms
 
 
 def test_loader_rates_on_the_prepared_folder(prepared, tmp_path, capsys, monkeypatch):
