@@ -132,6 +132,18 @@ def test_steps_between_log_steps_make_no_host_sync(tmp_path, shards, monkeypatch
         assert own == {"log_step.tolist": 1}, (step, dict(counter.per_step[step - 1]))
 
 
+def test_the_prepared_mask_reaches_the_momentum_encoder(tmp_path, shards, monkeypatch):
+    """With the prepared mask (here asked by train.pad_to_multiple_of; a CUDA run always gets it) neither
+    the online encoder nor its momentum copy leaves transformers a mask to check: a quiet step makes no
+    sync at all."""
+    counter = SyncCounter(monkeypatch)
+    code, dump = train(cfg_for(tmp_path, shards, "prepared", **{"train.pad_to_multiple_of": 8}))
+    counter.active = False
+    assert code == 0 and dump["step"] == STEPS
+    quiet = [step for step in range(1, STEPS + 1) if step % LOG_EVERY]
+    assert {step: dict(counter.per_step[step - 1]) for step in quiet} == {step: {} for step in quiet}
+
+
 def test_the_deferred_verdict_changes_nothing_in_a_clean_run(tmp_path, shards, monkeypatch):
     """Read at log steps or at every step, a run without a non-finite step ends bit-identical."""
     code, deferred = train(cfg_for(tmp_path, shards, "deferred"))

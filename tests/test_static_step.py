@@ -70,6 +70,17 @@ def static_module(pooling: str) -> TrainModule:
     return TrainModule(encoder)
 
 
+def test_a_cuda_device_gets_the_prepared_mask():
+    """On a GPU transformers' own mask costs a host sync per forward (counted on an H200), so the trainer
+    prepares the mask whenever its device is CUDA; on CPU only static shapes or compile ask for it."""
+    plain = SimpleNamespace(unpadded=False, pad_to_multiple_of=0, compile="off")
+    for device, expected in ((torch.device("cpu"), False), ("cpu", False), (None, False),
+                             (torch.device("cuda", 0), True), ("cuda", True)):  # fmt: skip
+        encoder = tiny_encoder("mean")
+        prepare_encoder(encoder, plain, device)
+        assert encoder.static_mask is expected, device
+
+
 def test_the_counter_sees_transformers_sync(syncs):
     """The count can fail: the default padded step hands transformers the 2-D mask, and its mask code
     reads ``padding_mask.all()`` (one ``bool()``) every forward."""

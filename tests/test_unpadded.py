@@ -282,3 +282,23 @@ def test_varlen_flash_attention_matches_the_padded_path_on_a_gpu(monkeypatch):
     torch.testing.assert_close(results[1][0], results[0][0], rtol=2e-2, atol=2e-2)
     for flat, padded in zip(results[1][1], results[0][1]):
         torch.testing.assert_close(flat, padded, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_segments_place_each_token_as_searchsorted_does(seed):
+    """Each flat token's sentence (so its slot) equals ``searchsorted(cu_seqlens[1:], token, right=True)``,
+    the formula the count of sentence ends replaced; empty sentences (at the start, middle and end) too."""
+    from pipeline.model.varlen import Segments
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 6, (12,), generator=g)
+    lengths[[0, 5, -1]] = 0  # empty first, middle and last sentences
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
+    total, width = int(cu[-1]), int(lengths.max())
+    seg = Segments.of(cu, width, total)
+    tokens = torch.arange(total)
+    row = torch.searchsorted(cu[1:].long(), tokens, right=True)
+    assert torch.equal(seg.slot, row * width + (tokens - cu.long()[row]))
+    assert torch.equal(seg.lengths, lengths) and seg.num_rows == 12
+    flat = torch.randn(total, 3)
+    assert torch.equal(seg.unpad(seg.pad(flat)), flat)

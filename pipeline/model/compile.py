@@ -13,6 +13,7 @@ frame runs eagerly, it does not fail) and every recompile is logged with its rea
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -53,13 +54,20 @@ def compile_counts() -> dict[str, int]:
     }
 
 
-def prepare_encoder(encoder: Any, train: Any) -> None:
+def prepare_encoder(encoder: Any, train: Any, device: Any = None, copies: Sequence[Any] = ()) -> None:
     """Before the run's first step, as ``train`` (the TrainConfig) asks: a ConfigError if
-    ``train.unpadded`` names an architecture the unpadded forward does not reproduce; with static shapes
-    (``pad_to_multiple_of``) or ``compile``, the prepared attention mask (no host sync per forward:
-    :attr:`SentenceEncoder.static_mask`); then ``train.compile``."""
+    ``train.unpadded`` names an architecture the unpadded forward does not reproduce; the prepared
+    attention mask (no host sync per forward: :attr:`SentenceEncoder.static_mask`) with static shapes
+    (``pad_to_multiple_of``), ``compile``, or on a CUDA ``device``, for the encoder and its ``copies``
+    (a momentum encoder, copied before this); then ``train.compile`` (the encoder only).
+
+    On CUDA the mask transformers builds costs one host sync per forward (``padding_mask.all()``;
+    counted on an H200, docs/BENCHMARKS.md "GPU: the real step"), so a GPU run always gets the
+    prepared one; a CPU run keeps transformers' own unless asked (the default CPU step is unchanged)."""
     if train.unpadded:
         check_unpadded(encoder.backbone)
-    if train.pad_to_multiple_of or train.compile != "off":
-        encoder.static_mask = True
+    cuda = getattr(device, "type", device) == "cuda"
+    if train.pad_to_multiple_of or train.compile != "off" or cuda:
+        for each in (encoder, *copies):
+            each.static_mask = True
     compile_encoder(encoder, train.compile)

@@ -64,7 +64,13 @@ class Segments:
         cu = cu_seqlens.long()  # (N + 1,)
         n = cu.shape[0] - 1
         tokens = torch.arange(num_tokens, device=cu.device)  # (T,)
-        row = torch.searchsorted(cu[1:], tokens, right=True)  # (T,) the sentence of each token
+        # the sentence of each token: how many sentence ends lie at or before it (searchsorted(cu[1:],
+        # tokens, right=True)), as a count of ends per slot summed up; an end at T (empty last
+        # sentences) falls in the extra slot. Not searchsorted: inductor on CUDA (torch 2.11, H200)
+        # failed to lower it on the slice cu[1:] ("NotImplementedError: SliceView").
+        ends = cu[1:-1]
+        starts = torch.zeros(num_tokens + 1, dtype=cu.dtype, device=cu.device)
+        row = starts.index_add_(0, ends, torch.ones_like(ends)).cumsum(0)[:num_tokens]  # (T,)
         slot = row * max_seqlen + (tokens - cu[row])  # (T,)
         lengths = cu[1:] - cu[:-1]  # (N,)
         key_mask = torch.arange(max_seqlen, device=cu.device) < lengths[:, None]  # (N, S)

@@ -383,7 +383,7 @@ def build(cfg: Config) -> Trainer:
     module = TrainModule(encoder, head, mlm_head).to(accelerator.device)
     terms.to(accelerator.device)
     torch.manual_seed(cfg.train.seed + 1000 * rank)  # dropout differs per rank, and reproducibly
-    prepare_encoder(module.encoder, cfg.train)  # train.unpadded/pad_to_multiple_of/compile; after the copies
+    prepare_encoder(module.encoder, cfg.train, accelerator.device, [c.encoder for c in copies])
     unk_rates = eval_unk_rates(encoder.tokenizer) if main else {}  # [UNK] share on the evaluation sets
 
     # The training state around them: precision, the log, the optimizer and its schedule.
