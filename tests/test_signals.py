@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeline.train.checkpoint import Checkpointer, verify_checkpoint
-from pipeline.train.signals import EXIT_CODE_PREEMPTED, CheckpointPolicy, PreemptionHandler
+from pipeline.train.signals import EXIT_CODE_PREEMPTED, Cadence, PreemptionHandler
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,31 +101,31 @@ def test_handler_only_sets_a_flag_and_restores_previous_handlers():
 
 
 def test_policy_by_steps_and_minutes():
-    policy = CheckpointPolicy(every_steps=5, every_minutes=0, now=0.0)
+    policy = Cadence(every_steps=5, every_minutes=0, now=0.0)
     assert [s for s in range(0, 16) if policy.due(s, now=0.0)] == [5, 10, 15]
-    timed = CheckpointPolicy(every_steps=0, every_minutes=1.0, now=100.0)
+    timed = Cadence(every_steps=0, every_minutes=1.0, now=100.0)
     assert not timed.due(1, now=159.0)
     assert timed.due(2, now=160.0)
     assert not timed.due(3, now=200.0)  # the clock restarted at the save
     assert timed.due(4, now=221.0)
-    timed.saved(now=300.0)  # an unscheduled save (preemption) restarts it too
+    timed.happened(now=300.0)  # an unscheduled save (preemption) restarts it too
     assert not timed.due(5, now=330.0)
-    assert not CheckpointPolicy().due(10)  # both rules off
+    assert not Cadence().due(10)  # both rules off
     with pytest.raises(ValueError):
-        CheckpointPolicy(every_steps=-1)
+        Cadence(every_steps=-1)
 
 
 def test_time_rule_is_read_only_at_check_steps():
     """The loop reads the clock (a broadcast and a host sync) at log steps only; step saves still count."""
 
     def due_steps(check_every: int) -> list[int]:
-        policy = CheckpointPolicy(every_steps=7, every_minutes=1.0, now=0.0, check_every=check_every)
+        policy = Cadence(every_steps=7, every_minutes=1.0, now=0.0, check_every=check_every)
         return [s for s in range(1, 12) if policy.due(s, now=30.0 * s)]  # 30 s per step
 
     assert due_steps(check_every=1) == [2, 4, 6, 7, 9, 11]
     assert due_steps(check_every=5) == [5, 7, 10]  # step 9's time save waits for check step 10
     with pytest.raises(ValueError):
-        CheckpointPolicy(check_every=0)
+        Cadence(check_every=0)
 
 
 TWO_RANKS = textwrap.dedent(
@@ -133,7 +133,7 @@ TWO_RANKS = textwrap.dedent(
     import sys
     import torch.distributed as dist
     import torch.multiprocessing as mp
-    from pipeline.train.signals import CheckpointPolicy, PreemptionHandler
+    from pipeline.train.signals import Cadence, PreemptionHandler
 
     def worker(rank, init):
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
@@ -143,7 +143,7 @@ TWO_RANKS = textwrap.dedent(
             handler.request()  # only rank 1 was signalled
         second = handler.should_stop()
         # Rank 0's clock says a save is due, rank 1's does not: rank 0 decides for both.
-        policy = CheckpointPolicy(every_minutes=1.0, now=0.0)
+        policy = Cadence(every_minutes=1.0, now=0.0)
         due = policy.due(1, now=100.0 if rank == 0 else 1.0)
         # One write per line: two ranks share the pipe, and print() writes text and newline separately.
         sys.stdout.write(f"rank{rank} {first} {second} {handler.requested} {due}\\n")

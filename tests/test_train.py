@@ -37,6 +37,28 @@ def test_schedule_is_a_pure_function_of_the_step():
     assert lr_factor(50, 0, 100, "constant") == 1.0
 
 
+@pytest.mark.parametrize("minutes, evaluated", [(0.0, [7]), (1e-9, [0, 3, 6, 7])])
+def test_evaluation_by_wall_time_falls_on_log_steps(tmp_path, shards, minutes, evaluated):
+    """train.eval_every_minutes: the clock is read at log steps (every 3 here), so a rule whose minutes
+    have always passed evaluates at each of them (and the initial model, as any scored run); off, with
+    no step rule, only the last step is evaluated."""
+    from pipeline.train.run import run
+
+    over = {"train.max_steps": 7, "train.log_every": 3, "train.eval_every": 0, "train.final_model": "last",
+            "train.eval_every_minutes": minutes, "checkpoint.every_minutes": 0}  # fmt: skip
+    cfg = debug_cfg(tmp_path, shards, **over)
+    assert run(cfg) == 0
+    assert [r["step"] for r in read_metrics(cfg.run_dir) if r.get("event") == "eval"] == evaluated
+
+
+def test_a_negative_eval_every_minutes_is_refused():
+    from pipeline.errors import ConfigError
+    from pipeline.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"train\.eval_every_minutes must be >= 0"):
+        TrainConfig(eval_every_minutes=-1)
+
+
 def test_luse_run_writes_metrics_model_and_tokenizer(tmp_path, shards):
     from pipeline.train.run import run
 

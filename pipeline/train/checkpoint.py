@@ -113,6 +113,7 @@ HARMLESS_KEYS: tuple[str, ...] = (
     "data.verify_shards",
     "train.log_every",
     "train.eval_every",
+    "train.eval_every_minutes",
     "train.eval_max_pairs",
     "train.final_model",
     "train.debug_dump",

@@ -13,7 +13,7 @@ from pipeline import distributed as dist
 from pipeline.io import tensor_checksum
 from pipeline.train.build import Trainer
 from pipeline.train.checkpoint import save_model
-from pipeline.train.signals import CheckpointPolicy
+from pipeline.train.signals import Cadence
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class RunCheckpoints:
         self.t = t
         # The stop flag and the time rule are read at log steps only, where logging syncs with the host
         # anyway: a signal is acted on up to log_every - 1 steps late (SLURM's --signal lead time covers it).
-        self.policy = CheckpointPolicy(c.every_steps, c.every_minutes, check_every=t.cfg.train.log_every)
+        self.policy = Cadence(c.every_steps, c.every_minutes, check_every=t.cfg.train.log_every)
 
     @property
     def enabled(self) -> bool:
@@ -50,7 +50,7 @@ class RunCheckpoints:
             metrics={"best_metric": t.state.best_metric},
             samples_seen=t.state.samples_seen,
         )
-        self.policy.saved()
+        self.policy.happened()
 
 
 def finish(t: Trainer) -> None:

@@ -352,6 +352,11 @@ class TrainConfig:
         True, "Show a progress bar of the steps (rank 0): a bar on a terminal, a line every 30 s in a log."
     )
     eval_every: int = option(500, "Evaluate on STS-B valid every this many steps (0 = only at the end).")
+    eval_every_minutes: float = option(
+        0.0,
+        "Also evaluate when this many minutes passed since the last evaluation (0 = off); the clock is "
+        "read at log steps (rank 0's, broadcast), so an evaluation may come up to log_every - 1 steps late.",
+    )
     eval_max_pairs: int = option(0, "Evaluate on the first this many STS-B valid pairs (0 = all).")
     select_on: Literal["sts_b", "sts_b+teacher"] = option(
         "sts_b",
@@ -411,6 +416,9 @@ class TrainConfig:
             raise ConfigError("train.collective_timeout must be > 0 seconds (e.g. 600)")
         if self.gradcache_chunk_size < 0 or self.log_every < 1 or self.eval_every < 0:
             raise ConfigError("train.gradcache_chunk_size/eval_every must be >= 0 and log_every >= 1")
+        if self.eval_every_minutes < 0:
+            minutes = self.eval_every_minutes
+            raise ConfigError(f"train.eval_every_minutes must be >= 0 (0 = off), not {minutes}")
         if self.pad_to_multiple_of < 0:
             raise ConfigError("train.pad_to_multiple_of must be >= 0 (0 = pad to each batch's longest)")
         if self.unpadded and self.pad_to_multiple_of:

@@ -37,7 +37,7 @@ from pipeline.train.engines import Engine, StepResult, backward_and_step, guard_
 from pipeline.train.evaluation import evaluate
 from pipeline.train.guard import DeviceCheck
 from pipeline.train.metrics import Throughput, alignment_uniformity
-from pipeline.train.signals import EXIT_CODE_PREEMPTED
+from pipeline.train.signals import EXIT_CODE_PREEMPTED, Cadence
 
 __all__ = ["train", "train_step"]
 
@@ -129,6 +129,8 @@ def train(t: Trainer, callbacks: Callbacks | Callable[[Trainer, Any], None] | No
     bar = progress.bar(total=t.total_steps, initial=t.state.step, desc="train", disable=not show)
     throughput = Throughput()
     checkpoints = RunCheckpoints(t)
+    # STS-B valid by steps and/or by wall time; like the checkpoints' clock, read at log steps only
+    evaluations = Cadence(cfg.train.eval_every, cfg.train.eval_every_minutes, check_every=cfg.train.log_every)
     throughput.samples0 = t.state.samples_seen
     spike = start_guard(t)
     pending: list[tuple[DeviceCheck, Any, Any]] = []  # deferred verdicts not read yet, with their batch
@@ -136,7 +138,7 @@ def train(t: Trainer, callbacks: Callbacks | Callable[[Trainer, Any], None] | No
     # signals are the main process's), so a worker left running would hang the interpreter's exit.
     batches = iter(t.stream)
     try:
-        scored = cfg.train.eval_every or cfg.train.final_model == "best"
+        scored = cfg.train.eval_every or cfg.train.eval_every_minutes or cfg.train.final_model == "best"
         if t.state.step == 0 and t.state.best_step is None and scored:
             # The initial model's score starts the eval curve and is the first best candidate: from a strong
             # init every later step may be worse, and then the initial weights are what gets exported.
@@ -158,7 +160,7 @@ def train(t: Trainer, callbacks: Callbacks | Callable[[Trainer, Any], None] | No
             if step % cfg.train.log_every == 0 or step == t.total_steps:
                 log_step(t, out, throughput, bar)
             is_best = False
-            if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == t.total_steps:
+            if evaluations.due(step) or step == t.total_steps:
                 score = evaluate(t)
                 if t.state.best_metric is None or score > t.state.best_metric:
                     t.state.best_metric, t.state.best_step, is_best = score, step, True

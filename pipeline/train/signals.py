@@ -7,8 +7,8 @@ rank 3 and not rank 0), the loop saves a checkpoint with every rank and exits wi
 :data:`EXIT_CODE_PREEMPTED`. A second signal during the save only sets the flag again, so it cannot
 interrupt the write.
 
-:class:`CheckpointPolicy` decides when the periodic checkpoints fall due. The time rule reads rank 0's
-clock and broadcasts the answer: clocks (and step timings) differ between ranks, and a rank that
+:class:`Cadence` decides when the periodic checkpoints and evaluations fall due. The time rule reads
+rank 0's clock and broadcasts the answer: clocks (and step timings) differ between ranks, and a rank that
 decides alone to save would wait forever in the checkpointer's barrier.
 """
 
@@ -26,7 +26,7 @@ import torch
 
 from pipeline import distributed
 
-__all__ = ["EXIT_CODE_COLLECTIVE_TIMEOUT", "EXIT_CODE_PREEMPTED", "CheckpointPolicy", "PreemptionHandler"]
+__all__ = ["EXIT_CODE_COLLECTIVE_TIMEOUT", "EXIT_CODE_PREEMPTED", "Cadence", "PreemptionHandler"]
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +92,13 @@ class PreemptionHandler:
         return stop
 
 
-class CheckpointPolicy:
-    """Periodic checkpoints every ``every_steps`` steps and/or every ``every_minutes`` minutes.
+class Cadence:
+    """A periodic event (a checkpoint, an evaluation) every ``every_steps`` steps and/or every
+    ``every_minutes`` minutes.
 
     ``due`` is a collective when ``every_minutes`` is set (one broadcast from rank 0, and a host sync),
     so call it on every rank at every step boundary; the clock is read only at steps that are multiples
-    of ``check_every`` (the loop's log steps, which sync anyway), so a time-based save may come up to
+    of ``check_every`` (the loop's log steps, which sync anyway), so a time-based event may come up to
     ``check_every - 1`` steps late. A value of 0 switches a rule off.
     """
 
@@ -109,23 +110,23 @@ class CheckpointPolicy:
         self.every_steps = every_steps
         self.every_minutes = every_minutes
         self.check_every = check_every
-        self.last_save = time.monotonic() if now is None else now
+        self.last = time.monotonic() if now is None else now
 
     def due(self, step: int, now: float | None = None) -> bool:
-        """Whether to save after optimizer step ``step``; the same answer on every rank."""
+        """Whether the event falls due after optimizer step ``step``; the same answer on every rank."""
         by_steps = self.every_steps > 0 and step > 0 and step % self.every_steps == 0
         if self.every_minutes > 0 and step % self.check_every == 0:
             now = time.monotonic() if now is None else now
-            local = by_steps or (now - self.last_save) >= self.every_minutes * 60
+            local = by_steps or (now - self.last) >= self.every_minutes * 60
             # rank 0's clock decides; the broadcast makes every rank take the same branch.
             flag = torch.tensor([1 if local else 0], device=distributed.collective_device())
             decision = bool(distributed.broadcast(flag, src=0).item())
         else:
             decision = by_steps
         if decision:
-            self.saved(now)
+            self.happened(now)
         return decision
 
-    def saved(self, now: float | None = None) -> None:
-        """Restart the time rule (also call it after an unscheduled save, e.g. on preemption)."""
-        self.last_save = time.monotonic() if now is None else now
+    def happened(self, now: float | None = None) -> None:
+        """Restart the time rule (also call it after an unscheduled event, e.g. a save on preemption)."""
+        self.last = time.monotonic() if now is None else now
