@@ -524,11 +524,9 @@ def step_measure(
     }
     if clock is not None:
         record["sections_ms_median"] = clock.medians_ms()
-        busy_s = sum(m["step_start"].elapsed_time(m["step_end"]) for m in clock.marks) / 1e3
-        record["sequences_per_s_steps_only"] = round(sequences / busy_s, 1)  # the data waits left out
-        record["step_span_ms_each"] = [
-            round(m["step_start"].elapsed_time(m["step_end"]), 2) for m in clock.marks
-        ]
+        spans_ms = [m["step_start"].elapsed_time(m["step_end"]) for m in clock.marks]
+        record["sequences_per_s_steps_only"] = round(sequences / (sum(spans_ms) / 1e3), 1)  # no data waits
+        record["step_span_ms_each"] = [round(t, 2) for t in spans_ms]
         clock.remove()
     if peak:
         record["mfu_nominal"] = round(padded_flops / wall / 1e12 / peak, 4)
@@ -568,8 +566,9 @@ def profile_steps(trainer: Any, steps: int, device: str) -> dict[str, Any]:
     by_name: Counter[str] = Counter()
     calls: Counter[str] = Counter()
     for e in kernels:
-        by_name[e.name[:120]] += e.time_range.elapsed_us()
-        calls[e.name[:120]] += 1
+        short_name = e.name[:120]
+        by_name[short_name] += e.time_range.elapsed_us()
+        calls[short_name] += 1
         name = e.name.lower()
         kind = (
             "gemm" if any(s in name for s in ("gemm", "cutlass", "sm90", "xmma", "cublas")) else
@@ -777,21 +776,19 @@ def run(args: argparse.Namespace) -> int:
             section(sections, "deepspeed_zero2", budget, 30 if args.smoke else 60,
                     lambda: deepspeed_child(args, budget, work))  # fmt: skip
             save()
-        variants = [("unpadded", ["--train.unpadded=true"])] * args.unpadded  # then each compile mode
-        variants += [(f"compile={m}", [f"--train.compile={m}"]) for m in args.compile]
-        for label, extra in variants:
+        # --unpadded and --compile: the step timed alone; each --variant: timed, profiled and sync-checked
+        timed_only = ("step",)
+        variants = [("unpadded", ["--train.unpadded=true"], timed_only)] * args.unpadded
+        variants += [(f"compile={m}", [f"--train.compile={m}"], timed_only) for m in args.compile]
+        variants += [
+            (label, extra, ("step", "profile", "sync_debug"))
+            for label, *extra in map(str.split, args.variant)
+        ]
+        for label, extra, what in variants:
             for which in args.models:
                 b = args.detail_batch
-                measure = lambda w=which, b=b, extra=extra: step_section(  # noqa: E731
-                    args, w, b, extra, work, device, gemm, peak
-                )
-                section(sections, f"{label}/{which}/b{b}", budget, 30 if args.smoke else 90, measure)
-                save()
-        for label, *extra in (v.split() for v in args.variant):
-            for which in args.models:
-                b = args.detail_batch
-                measure = lambda w=which, b=b, extra=extra: variant_step(  # noqa: E731
-                    args, w, b, extra, work, device, gemm, peak
+                measure = lambda w=which, b=b, extra=extra, what=what: variant_step(  # noqa: E731
+                    args, w, b, extra, work, device, gemm, peak, what
                 )
                 estimate = 30 if args.smoke else (90 if any("compile" in x for x in extra) else 40)
                 section(sections, f"{label}/{which}/b{b}", budget, estimate, measure)
@@ -813,10 +810,10 @@ SDP_SWITCHES = {
 
 def variant_step(
     args: argparse.Namespace, which: str, batch: int, extra: list[str], work: Path, device: str,
-    gemm: dict[str, Any] | None, peak: float | None,
+    gemm: dict[str, Any] | None, peak: float | None, what: tuple[str, ...],
 ) -> dict[str, Any]:  # fmt: skip
-    """A ``--variant``: the step with its config overrides and SDPA backends switched off, timed,
-    profiled and sync-checked; the backends are switched back afterwards."""
+    """The step with config overrides and SDPA backends switched off (``extra``), measured as ``what``
+    asks (:func:`step_section`); the backends are switched back afterwards."""
     import torch
 
     switches = [SDP_SWITCHES[x] for x in extra if x in SDP_SWITCHES]
@@ -825,9 +822,7 @@ def variant_step(
     for name in switches:
         getattr(torch.backends.cuda, f"enable_{name}")(False)
     try:
-        record = step_section(
-            args, which, batch, overrides, work, device, gemm, peak, ("step", "profile", "sync_debug")
-        )
+        record = step_section(args, which, batch, overrides, work, device, gemm, peak, what)
     finally:
         for name, enabled in before.items():
             getattr(torch.backends.cuda, f"enable_{name}")(enabled)
