@@ -13,7 +13,6 @@ frame runs eagerly, it does not fail) and every recompile is logged with its rea
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -54,12 +53,12 @@ def compile_counts() -> dict[str, int]:
     }
 
 
-def prepare_encoder(encoder: Any, train: Any, device: Any = None, copies: Sequence[Any] = ()) -> None:
-    """Before the run's first step, as ``train`` (the TrainConfig) asks: a ConfigError if
-    ``train.unpadded`` names an architecture the unpadded forward does not reproduce; the prepared
-    attention mask (no host sync per forward: :attr:`SentenceEncoder.static_mask`) with static shapes
-    (``pad_to_multiple_of``), ``compile``, or on a CUDA ``device``, for the encoder and its ``copies``
-    (a momentum encoder, copied before this); then ``train.compile`` (the encoder only).
+def prepare_encoder(encoder: Any, train: Any, device: Any = None) -> None:
+    """As ``train`` (the TrainConfig) asks, before anything copies the encoder (a momentum encoder
+    inherits what is set here): a ConfigError if ``train.unpadded`` names an architecture the unpadded
+    forward does not reproduce; the prepared attention mask (no host sync per forward:
+    :attr:`SentenceEncoder.static_mask`) with static shapes (``pad_to_multiple_of``), ``compile``, or on
+    a CUDA ``device``. ``train.compile`` itself is :func:`compile_encoder`, after the copies.
 
     On CUDA the mask transformers builds costs one host sync per forward (``padding_mask.all()``;
     counted on an H200, docs/BENCHMARKS.md "GPU: the real step"), so a GPU run always gets the
@@ -68,6 +67,4 @@ def prepare_encoder(encoder: Any, train: Any, device: Any = None, copies: Sequen
         check_unpadded(encoder.backbone)
     cuda = getattr(device, "type", device) == "cuda"
     if train.pad_to_multiple_of or train.compile != "off" or cuda:
-        for each in (encoder, *copies):
-            each.static_mask = True
-    compile_encoder(encoder, train.compile)
+        encoder.static_mask = True

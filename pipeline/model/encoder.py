@@ -168,8 +168,8 @@ class SentenceEncoder(nn.Module):
     """
 
     # Hand transformers a prepared 4-D attention mask (:func:`prebuilt_mask`: no host sync per forward).
-    # Off by default, so the default step is unchanged; train.pad_to_multiple_of and train.compile turn it
-    # on (pipeline.model.compile.prepare_encoder).
+    # Off by default, so the default CPU step is unchanged; a CUDA device, train.pad_to_multiple_of and
+    # train.compile turn it on (pipeline.model.compile.prepare_encoder).
     static_mask: bool = False
 
     def __init__(

@@ -33,7 +33,7 @@ from pipeline.errors import ConfigError
 from pipeline.losses.legacy import split_objective
 from pipeline.losses.terms import TermContext, TrainLoss
 from pipeline.model import SentenceEncoder, build_char_vocab, build_scratch_backbone, make_tokenizer
-from pipeline.model.compile import prepare_encoder
+from pipeline.model.compile import compile_encoder, prepare_encoder
 from pipeline.model.encoder import load_tokenizer as load_model_tokenizer
 from pipeline.model.heads import MLMHead, TrainModule
 from pipeline.model.layers import keep_layers, reinitialise, set_dropout
@@ -373,6 +373,7 @@ def build(cfg: Config) -> Trainer:
     log.info("model: %s built in %.1f s", cfg.model.name_or_path or "scratch", time.perf_counter() - started)
     if cfg.model.freeze_embeddings:
         encoder.backbone.get_input_embeddings().requires_grad_(False)
+    prepare_encoder(encoder, cfg.train, accelerator.device)  # before the terms copy it: copies inherit it
     head = loss.build_head(encoder.dim, plan.teacher_dim or 0)  # the teacher's width from the manifest
     terms = TrainLoss(loss, TermContext(encoder, encoder.dim, plan.teacher_dim or 0, loss.needs))
     copies = terms.copies()  # encoder copies the terms run (a momentum encoder): precision below
@@ -383,7 +384,7 @@ def build(cfg: Config) -> Trainer:
     module = TrainModule(encoder, head, mlm_head).to(accelerator.device)
     terms.to(accelerator.device)
     torch.manual_seed(cfg.train.seed + 1000 * rank)  # dropout differs per rank, and reproducibly
-    prepare_encoder(module.encoder, cfg.train, accelerator.device, [c.encoder for c in copies])
+    compile_encoder(module.encoder, cfg.train.compile)  # after the copies: a momentum encoder stays eager
     unk_rates = eval_unk_rates(encoder.tokenizer) if main else {}  # [UNK] share on the evaluation sets
 
     # The training state around them: precision, the log, the optimizer and its schedule.
