@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from _tiny_models import build_char_encoder
-from _train_data import make_shards
+from _train_data import make_shards, with_teacher
 
 from pipeline.resources import SAMPLE_CORPUS, sample_sentences
 
@@ -138,6 +138,17 @@ def test_loader(shards, model, tmp_path, capsys, monkeypatch):
                      capsys=capsys, monkeypatch=monkeypatch)  # fmt: skip
     assert str(ids) in out
 
+
+
+def test_loader_worker(shards, model, tmp_path, capsys, monkeypatch):
+    from pipeline.cli import main as cli
+
+    taught, ids = with_teacher(shards, tmp_path / "taught", dim=8), tmp_path / "ids"
+    argv = ["tokenize", f"--shards={taught}", f"--out={ids}", f"--model={model}", "--max_length=32"]
+    assert cli([*argv, "--progress=false"]) == 0
+    out = run_script("loader_worker", "--shards", str(ids), "--model", str(model), "--batch", "8",
+                     "--window", "2", "--samples", "40", capsys=capsys, monkeypatch=monkeypatch)  # fmt: skip
+    assert "samples/s, 1 + 0 texts, batch 8" in out
 
 def test_step_profile(shards, model, capsys, monkeypatch):
     out = run_script("step_profile", "--model", str(model), "--shards", str(shards), "--batch", "4",

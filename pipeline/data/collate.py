@@ -358,8 +358,9 @@ class ViewCollator:
         self.teacher, self.m = teacher, num_hard_negatives
         # (text, variants, hard negatives) as strings, or as their stored ids
         self.sources = TOKEN_ID_COLUMNS if pretokenized else TEXT_COLUMNS
+        # a column is read (decoded per block) only when a view uses it: no variants at num_variants 0
         extra = ("teacher",) * teacher + (self.sources[2],) * (num_hard_negatives > 0)
-        self.columns = ("id", self.sources[0], self.sources[1]) + extra
+        self.columns = ("id", self.sources[0]) + (self.sources[1],) * (num_variants > 0) + extra
 
     def __call__(self, rows: dict[str, list[Any]]) -> Batch:
         text_column, variants_column, negatives_column = self.sources

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -55,7 +55,7 @@ from pipeline.shards import (
     read_shard_set,
     set_index,
 )
-from pipeline.vectors import block_teacher, teacher_matrix
+from pipeline.vectors import SCALE_COLUMNS, block_teacher, teacher_matrix
 
 log = logging.getLogger(__name__)
 POSITIVE_SCALE = "teacher_positive_scale"  # the teacher stage's int8 scales of teacher_positive
@@ -119,13 +119,20 @@ def index_shards(
     return blocks
 
 
-def read_block(ref: BlockRef) -> pa.Table:
+def read_block(ref: BlockRef, columns: Collection[str] | None = None) -> pa.Table:
+    """The block's table; with ``columns``, only those of them it holds (the others are not decompressed:
+    a training batch reads the ids and the teacher vectors, not the texts beside them)."""
     with open(ref.path, "rb") as f:
         f.seek(ref.offset)
         data = f.read(ref.size)
     if ref.crc32 is not None:
         check_block(Path(ref.path), ref.block, data, ref.crc32)
-    return ipc_to_table(data)
+    if columns is None:
+        return ipc_to_table(data)
+    reader = pa.ipc.open_file(pa.BufferReader(data))
+    fields = [i for i, name in enumerate(reader.schema.names) if name in columns]
+    options = pa.ipc.IpcReadOptions(included_fields=fields, use_threads=False)
+    return pa.ipc.open_file(pa.BufferReader(data), options=options).read_all()
 
 
 # --------------------------------------------------------------------------------------------- order
@@ -228,6 +235,10 @@ class ShardSource:
     def __init__(self, blocks: Sequence[BlockRef], columns: Sequence[str], cache_blocks: int = 4):
         self.blocks = list(blocks)
         self.columns = list(columns)
+        # what a block is decoded for: the columns, and the int8 scales that go with teacher vectors
+        self._wanted = {*self.columns, *(SCALE_COLUMNS[c] for c in self.columns if c in SCALE_COLUMNS)}
+        if "teacher_positive" in self.columns:
+            self._wanted.add(POSITIVE_SCALE)
         self.cache_blocks = cache_blocks
         self._cache: OrderedDict[int, dict[str, list[Any]]] = OrderedDict()
 
@@ -239,7 +250,7 @@ class ShardSource:
         if index in self._cache:
             self._cache.move_to_end(index)
             return self._cache[index]
-        table = read_block(self.blocks[index])
+        table = read_block(self.blocks[index], self._wanted)
         cols = {}
         for name in self.columns:
             if name == "teacher" and name in table.column_names:  # (rows, D) float32, no Python floats

@@ -105,22 +105,50 @@ def tokenising_on_gpu(
     return line
 
 
-def _split_rows(array: pa.ListArray) -> list[np.ndarray]:
-    offsets = array.offsets.to_numpy()
-    values = array.flatten().to_numpy(zero_copy_only=False).astype(np.int64)  # padded batches are int64
-    return np.split(values, offsets[1:-1] - offsets[0])
+class RaggedIds(Sequence):
+    """A list<uint> id column as one int64 array and its row offsets; row i is a view of the array.
+
+    A block is decoded with two array conversions, not one array per row: at GPU rates splitting every
+    row of every id column (a thousand rows times five texts a block) was most of a loader worker's time
+    (benchmarks/loader.py). Rows a batch never reads cost nothing.
+    """
+
+    def __init__(self, values: np.ndarray, offsets: np.ndarray):
+        self.values, self.offsets = values, offsets  # (T,) int64; (rows + 1,) from 0
+
+    @classmethod
+    def of(cls, array: pa.ListArray) -> RaggedIds:
+        offsets = array.offsets.to_numpy()
+        values = array.flatten().to_numpy(zero_copy_only=False).astype(np.int64)  # padded batches are int64
+        return cls(values, (offsets - offsets[0]).astype(np.int64))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:  # type: ignore[override]
+        return self.values[self.offsets[i] : self.offsets[i + 1]]
 
 
-def ragged_rows(column: pa.ChunkedArray | pa.Array) -> list[Any]:
-    """list<uint> -> one int64 array per row; list<list<uint>> -> per row, a list of such arrays."""
+class NestedRaggedIds(Sequence):
+    """A list<list<uint>> id column (variants, hard negatives): row i is the list of its texts' ids."""
+
+    def __init__(self, inner: RaggedIds, offsets: np.ndarray):
+        self.inner, self.offsets = inner, offsets.tolist()  # Python ints: one range per row read
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> list[np.ndarray]:  # type: ignore[override]
+        return [self.inner[j] for j in range(self.offsets[i], self.offsets[i + 1])]
+
+
+def ragged_rows(column: pa.ChunkedArray | pa.Array) -> RaggedIds | NestedRaggedIds:
+    """list<uint> -> row i: an int64 array; list<list<uint>> -> row i: a list of such arrays."""
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    if len(array) == 0:
-        return []
     if not pa.types.is_list(array.type.value_type):
-        return _split_rows(array)
-    inner = _split_rows(array.flatten())
-    offsets = array.offsets.to_numpy() - array.offsets.to_numpy()[0]
-    return [inner[offsets[i] : offsets[i + 1]] for i in range(len(array))]
+        return RaggedIds.of(array)
+    offsets = array.offsets.to_numpy()
+    return NestedRaggedIds(RaggedIds.of(array.flatten()), offsets - offsets[0])
 
 
 def pad_ids(rows: Sequence[np.ndarray], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
