@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import select
 import sys
 import typing
 from dataclasses import dataclass
@@ -183,6 +184,27 @@ def setup_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        if not stdout_closed():
+            raise  # another pipe (a socket, a worker's): not the reader of our output going away
+        # `... --help | head`: the reader stopped reading; stop quietly, as a coreutils command would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 1
+
+
+def stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader has gone (poll says POLLERR on its write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll here, or no file behind sys.stdout
+        return False
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
