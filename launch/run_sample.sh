@@ -147,7 +147,7 @@ stage "evaluate the trained student"
   --out "$OUT/train/eval"
 stage report
 # Loss/eval curves and the cosine-per-label picture of the exported checkpoint: $OUT/train/report/report.md
-"$PY" -m pipeline report "$OUT/train" --select best
+"$PY" -m pipeline report "$OUT/train" --select best --precision "$EVAL_PRECISION"
 
 stage "export"
 # A sentence-transformers folder with its model card (the recipe that was trained, the table above).

@@ -88,3 +88,28 @@ def test_trainer_events_become_eval_curves_or_are_left_out():
     train, evals = metric_series(records)
     assert set(train) == {"loss", "lr"}
     assert evals == {"sts_b_valid_spearman": ([10, 20], [40.0, 45.0])}
+
+
+def test_report_encodes_in_the_precision_it_is_given(tiny_model, tmp_path, monkeypatch):  # noqa: F811
+    from pipeline.model.encoder import SentenceEncoder
+
+    run = build_fake_run(tmp_path / "run", tiny_model)
+    seen, encode = [], SentenceEncoder.encode
+
+    def recording(self, *args, **kwargs):
+        seen.append(kwargs.get("bf16"))
+        return encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(SentenceEncoder, "encode", recording)
+    for precision, expected in (("fp32", False), ("bf16", True)):
+        seen.clear()
+        argv = ["report", str(run), "--max-pairs", "20", "--sets", "STS-B", "--progress", "false"]
+        assert main([*argv, "--precision", precision, "--out", str(tmp_path / precision)]) == 0
+        assert seen and set(seen) == {expected}
+        assert (tmp_path / precision / "similarity.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_report_refuses_bf16_off_the_cpu_in_one_line(tmp_path, capsys):
+    assert main(["report", str(tmp_path), "--precision", "bf16", "--device", "cuda:0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--precision bf16 is CPU autocast" in err[0]

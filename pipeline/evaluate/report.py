@@ -36,6 +36,9 @@ class Config:
     seed: int = option(0, "Seed of the pair subsample.")
     batch_size: int = option(64, "Sentences per encoding batch.")
     device: str = option("cpu", "torch device to encode on.")
+    precision: Literal["fp32", "bf16"] = option(
+        "fp32", "CPU compute precision of the similarity plot's encoding: fp32, or bf16 autocast (as eval's)."
+    )
     progress: bool = option(True, "Show progress bars while encoding.")
 
     def __post_init__(self) -> None:
@@ -46,6 +49,10 @@ class Config:
             raise ConfigError(f"--sets: unknown {unknown}; choose from {', '.join(STS_SETS)}")
         if self.max_pairs < 10:
             raise ConfigError("--max-pairs must be >= 10")
+        if self.precision not in ("fp32", "bf16"):
+            raise ConfigError(f"--precision {self.precision!r}: choose fp32 or bf16")
+        if self.precision == "bf16" and not self.device.startswith("cpu"):
+            raise ConfigError(f"--precision bf16 is CPU autocast; with --device {self.device} use fp32")
 
 
 def similarity_by_set(encoder: Any, cfg: Config) -> dict[str, tuple[Any, Any]]:
@@ -55,7 +62,10 @@ def similarity_by_set(encoder: Any, cfg: Config) -> dict[str, tuple[Any, Any]]:
     for pairs in load_sts_sets(cfg.sets):
         pairs = pairs.subsample(cfg.max_pairs, cfg.seed)
         embedded = embed_pair_set(
-            lambda t, n=pairs.name: encoder.encode(t, cfg.batch_size, cfg.progress, desc=n), pairs
+            lambda t, n=pairs.name: encoder.encode(
+                t, cfg.batch_size, cfg.progress, desc=n, bf16=cfg.precision == "bf16"
+            ),
+            pairs,
         )
         found[pairs.name] = (embedded.cosines(), pairs.labels)
     return found
