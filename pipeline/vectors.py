@@ -25,7 +25,12 @@ from pipeline.errors import InputError
 DTYPES = ("float16", "int8")  # what ``teacher --dtype`` writes and the manifest's ``teacher.dtype`` says
 MIN_HASH_PREFIX = 8  # hex digits of the teacher's hash that name it (data.teacher, teacher --model)
 INT8_LEVELS = 127  # codes in [-127, 127]: symmetric, -128 unused
-SCALE_COLUMNS = {"teacher": "teacher_scale", "teacher_variants": "teacher_variant_scales"}
+# each int8 vector column's scale column (pair shards: teacher_positive, the partner's vector)
+SCALE_COLUMNS = {
+    "teacher": "teacher_scale",
+    "teacher_variants": "teacher_variant_scales",
+    "teacher_positive": "teacher_positive_scale",
+}
 
 
 # ------------------------------------------------------------------------------ the manifest's record

@@ -58,7 +58,7 @@ from pipeline.shards import (
 from pipeline.vectors import SCALE_COLUMNS, block_teacher, teacher_matrix
 
 log = logging.getLogger(__name__)
-POSITIVE_SCALE = "teacher_positive_scale"  # the teacher stage's int8 scales of teacher_positive
+POSITIVE_SCALE = SCALE_COLUMNS["teacher_positive"]  # the teacher stage's int8 scales of teacher_positive
 
 
 # --------------------------------------------------------------------------------------------- index
@@ -237,8 +237,6 @@ class ShardSource:
         self.columns = list(columns)
         # what a block is decoded for: the columns, and the int8 scales that go with teacher vectors
         self._wanted = {*self.columns, *(SCALE_COLUMNS[c] for c in self.columns if c in SCALE_COLUMNS)}
-        if "teacher_positive" in self.columns:
-            self._wanted.add(POSITIVE_SCALE)
         self.cache_blocks = cache_blocks
         self._cache: OrderedDict[int, dict[str, list[Any]]] = OrderedDict()
 

@@ -110,17 +110,18 @@ class RaggedIds(Sequence):
 
     A block is decoded with two array conversions, not one array per row: at GPU rates splitting every
     row of every id column (a thousand rows times five texts a block) was most of a loader worker's time
-    (benchmarks/loader.py). Rows a batch never reads cost nothing.
+    (benchmarks/loader_worker.py). Rows a batch never reads cost nothing.
     """
 
     def __init__(self, values: np.ndarray, offsets: np.ndarray):
-        self.values, self.offsets = values, offsets  # (T,) int64; (rows + 1,) from 0
+        # (T,) int64; (rows + 1,) from 0, as Python ints (a slice bound per row read, no numpy scalars)
+        self.values, self.offsets = values, offsets.tolist()
 
     @classmethod
     def of(cls, array: pa.ListArray) -> RaggedIds:
         offsets = array.offsets.to_numpy()
         values = array.flatten().to_numpy(zero_copy_only=False).astype(np.int64)  # padded batches are int64
-        return cls(values, (offsets - offsets[0]).astype(np.int64))
+        return cls(values, offsets - offsets[0])
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -133,7 +134,7 @@ class NestedRaggedIds(Sequence):
     """A list<list<uint>> id column (variants, hard negatives): row i is the list of its texts' ids."""
 
     def __init__(self, inner: RaggedIds, offsets: np.ndarray):
-        self.inner, self.offsets = inner, offsets.tolist()  # Python ints: one range per row read
+        self.inner, self.offsets = inner, offsets.tolist()  # (rows + 1,) from 0, as RaggedIds's
 
     def __len__(self) -> int:
         return len(self.offsets) - 1

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pipeline.config import option
 from pipeline.errors import ConfigError, InputError
+from pipeline.evaluate.run import check_precision
 from pipeline.evaluate.sts import STS_SETS
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,7 @@ class Config:
             raise ConfigError(f"--sets: unknown {unknown}; choose from {', '.join(STS_SETS)}")
         if self.max_pairs < 10:
             raise ConfigError("--max-pairs must be >= 10")
-        if self.precision not in ("fp32", "bf16"):
-            raise ConfigError(f"--precision {self.precision!r}: choose fp32 or bf16")
-        if self.precision == "bf16" and not self.device.startswith("cpu"):
-            raise ConfigError(f"--precision bf16 is CPU autocast; with --device {self.device} use fp32")
+        check_precision(self.precision, self.device)
 
 
 def similarity_by_set(encoder: Any, cfg: Config) -> dict[str, tuple[Any, Any]]:

@@ -29,6 +29,14 @@ log = logging.getLogger(__name__)
 SUITES = ("sts", "align", "probe", "tfidf")
 
 
+def check_precision(precision: str, device: str) -> None:
+    """``--precision`` (eval, report): fp32, or bf16 autocast, which is a CPU option."""
+    if precision not in ("fp32", "bf16"):
+        raise ConfigError(f"--precision {precision!r}: choose fp32 or bf16")
+    if precision == "bf16" and not device.startswith("cpu"):
+        raise ConfigError(f"--precision bf16 is CPU autocast; with --device {device} use fp32")
+
+
 @dataclass
 class Config:
     model: str = option(
@@ -116,10 +124,7 @@ class Config:
             raise ConfigError("--max-pairs must be >= 10 (Spearman on fewer pairs is noise)")
         if self.batch_size < 1:
             raise ConfigError("--batch-size must be >= 1")
-        if self.precision not in ("fp32", "bf16"):
-            raise ConfigError(f"--precision {self.precision!r}: choose fp32 or bf16")
-        if self.precision == "bf16" and not self.device.startswith("cpu"):
-            raise ConfigError(f"--precision bf16 is CPU autocast; with --device {self.device} use fp32")
+        check_precision(self.precision, self.device)
         if self.threads is not None and self.threads < 1:
             raise ConfigError("--threads must be >= 1 (or empty for torch's default)")
         if self.whitening_dim is not None and self.whitening_dim < 1:
