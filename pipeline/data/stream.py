@@ -28,7 +28,9 @@ out worker outputs round-robin starting at worker 0, which yields them in stream
 
 from __future__ import annotations
 
+import atexit
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -539,6 +541,26 @@ class BatchStream:
         self.cursor.epoch, self.cursor.batches = epoch + 1, 0
 
     def __iter__(self) -> Iterator[Any]:
-        """Batches for ever, epoch after epoch (the loop decides when to stop)."""
+        """Batches for ever, epoch after epoch (the loop decides when to stop). An iterator still open
+        when the interpreter exits is closed then, its loader workers with it (see ``_close_at_exit``)."""
+        batches = self._forever()
+        _open_iterators.add(batches)
+        return batches
+
+    def _forever(self) -> Iterator[Any]:
         while True:
             yield from self.epoch_batches()
+
+
+# Loader workers ignore SIGTERM (above), and at exit multiprocessing stops its daemonic children with
+# SIGTERM and then waits for them: a script that leaves a stream iterator open would wait for ever (and
+# a build's preemption handler swallows the SIGTERM that would end it). Registered after torch and
+# multiprocessing registered theirs, this runs before both (atexit runs last-in, first-out): closing an
+# iterator ends its loader, which tells its workers to finish and joins them.
+_open_iterators: weakref.WeakSet[Iterator[Any]] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for batches in list(_open_iterators):
+        batches.close()
