@@ -134,8 +134,8 @@ def train(t: Trainer, callbacks: Callbacks | Callable[[Trainer, Any], None] | No
     throughput.samples0 = t.state.samples_seen
     spike = start_guard(t)
     pending: list[tuple[DeviceCheck, Any, Any]] = []  # deferred verdicts not read yet, with their batch
-    # Closed on every way out, an exception included: the loader workers ignore SIGTERM (preemption
-    # signals are the main process's), so a worker left running would hang the interpreter's exit.
+    # Closed on every way out, an exception included, so the loader workers stop with the loop, not at
+    # interpreter exit (where the stream closes whatever iterator is still open: pipeline/data/stream.py).
     batches = iter(t.stream)
     try:
         scored = cfg.train.eval_every or cfg.train.eval_every_minutes or cfg.train.final_model == "best"
