@@ -12,7 +12,7 @@ from pipeline.cli import build_config, setup_logging
 from pipeline.config import help_lines
 from pipeline.errors import PipelineError, write_error_line
 from pipeline.train.config import Config
-from pipeline.train.run import run
+from pipeline.train.run import exit_process, run
 
 
 def main(argv: list[str], on_batch: Any = None) -> int:
@@ -31,4 +31,4 @@ def main(argv: list[str], on_batch: Any = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1:]))  # not sys.exit: see exit_process

@@ -45,7 +45,7 @@ DRIVER = textwrap.dedent(
         with open(run_dir / f"ids-rank{rank}.txt", "a") as f:
             f.write(f"{t.state.step + 1} " + " ".join(str(i) for i in batch.ids.tolist()) + "\\n")
 
-    sys.exit(pretrain.main(argv, on_batch=record_ids))
+    pretrain.exit_process(pretrain.main(argv, on_batch=record_ids))  # as the script's own entry
     """
 )
 
