@@ -114,8 +114,10 @@ if [ ! -f "$OUT/teacher/manifest.json" ]; then
 fi
 
 stage "distillation"
+# --data.teacher names the folder the teacher stage encoded with (MODEL may be any folder: the config's
+# "e5-small" matches only a folder of that name).
 TRAIN_ARGS=(--config launch/configs/distill.yaml --data.shards="$OUT/teacher" --model.name_or_path="$OUT/student"
-            --run_dir="$OUT/train" "$@")
+            --data.teacher="$MODEL" --run_dir="$OUT/train" "$@")
 # The mission's interface: accelerate launch with the shipped CPU configs (gloo for NPROC > 1).
 if [ "$NPROC" -gt 1 ]; then
   LAUNCH=(--config_file launch/accelerate/cpu2.yaml --num_processes "$NPROC")
