@@ -8,11 +8,11 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from pipeline.cli import build_config, setup_logging
+from pipeline.cli import build_config, exit_process, setup_logging
 from pipeline.config import help_lines
 from pipeline.errors import PipelineError, write_error_line
 from pipeline.train.config import Config
-from pipeline.train.run import exit_process, run
+from pipeline.train.run import run
 
 
 def main(argv: list[str], on_batch: Any = None) -> int:

@@ -1,11 +1,10 @@
 import sys
 
-from pipeline.cli import main
+from pipeline.cli import COMMANDS, exit_process, main
 
 if __name__ == "__main__":
     code = main()
-    if sys.argv[1:2] == ["train"]:  # as launch/pretrain.py: no interpreter teardown after a run
-        from pipeline.train.run import exit_process
-
+    command = COMMANDS.get(sys.argv[1]) if len(sys.argv) > 1 else None
+    if command is not None and not command.teardown:
         exit_process(code)
     raise SystemExit(code)

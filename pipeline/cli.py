@@ -8,14 +8,16 @@ of a section, a bare ``--flag`` sets a boolean field to true. Commands are impor
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 import os
 import select
 import sys
+import threading
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from pipeline.config import field_type, help_lines, load_config, parse_value
 from pipeline.errors import ConfigError, PipelineError, write_error_line
@@ -29,6 +31,9 @@ class Command:
     # The config field(s) that positional arguments fill, in order; the last one takes the rest if it
     # is a list (e.g. ("index_dir", "queries") for `search INDEX_DIR "q1" "q2"`).
     positional: str | tuple[str, ...] | None = None
+    # False: ``python -m pipeline`` leaves through :func:`exit_process` after the command, without the
+    # interpreter's teardown (train: native threads outlive a run).
+    teardown: bool = True
 
 
 COMMANDS: dict[str, Command] = {
@@ -50,7 +55,9 @@ COMMANDS: dict[str, Command] = {
     "synonyms": Command(
         "pipeline.stages.augment.vector_synonyms", "word vectors -> faiss synonym cache (Parquet)"
     ),
-    "train": Command("pipeline.train.run", "contrastive pretraining (same as launch/pretrain.py)"),
+    "train": Command(
+        "pipeline.train.run", "contrastive pretraining (same as launch/pretrain.py)", teardown=False
+    ),
     "doctor": Command(
         "pipeline.doctor", "check the environment before training: GPUs, driver, NCCL, run dir, rendezvous"
     ),
@@ -239,3 +246,28 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def exit_process(code: int) -> NoReturn:
+    """Leave a training process with ``code`` without tearing the interpreter down (the training entry
+    points' last call, after ``pipeline.train.run.run`` has returned).
+
+    A training process still holds native threads when a run ends: gloo's workers and socket loop (the
+    process group is shut down, but its C++ object outlives ``destroy_process_group``) and pyarrow's
+    pool. A finished two-rank run once aborted on its way out ("terminate called without an active
+    exception", status 134 instead of the run's own; the signature of a native thread pool met by the
+    interpreter's teardown), which a scheduler script reads as a crash and a test as a failure. Nothing
+    is lost by skipping the teardown: what a run writes is closed by then, and the exit handlers
+    (logging's, the loader's, multiprocessing's) still run here, in the usual order, after the
+    non-daemon threads end; the standard streams are flushed.
+    """
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # noqa: SLF001 -- the interpreter's own exit handlers, run as at a normal exit
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach the reader
+            pass
+    os._exit(code)

@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent(
     import atexit, sys, threading, time
     from pathlib import Path
 
-    from pipeline.train.run import exit_process
+    from pipeline.cli import exit_process
 
     out = Path(sys.argv[1])
 
@@ -52,13 +52,13 @@ ENTRY = textwrap.dedent(
     """
     import os, runpy, sys
 
-    import pipeline.train.run
+    import pipeline.cli
 
     def recorded(code):
         print(f"exit_process({code})", flush=True)
         os._exit(code)
 
-    pipeline.train.run.exit_process = recorded
+    pipeline.cli.exit_process = recorded
     if sys.argv[1] == "module":
         sys.argv = ["pipeline", "train", "--help"]
         runpy.run_module("pipeline", run_name="__main__")

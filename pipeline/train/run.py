@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import atexit
-import os
-import sys
-import threading
-from typing import Any, NoReturn
+from typing import Any
 
 from pipeline.train.config import Config
 
-__all__ = ["Config", "exit_process", "run"]
+__all__ = ["Config", "run"]
 
 
 def run(cfg: Config, callbacks: Any = None) -> int:
@@ -49,28 +45,3 @@ def run(cfg: Config, callbacks: Any = None) -> int:
             trainer.close()
         else:
             dist.shutdown()
-
-
-def exit_process(code: int) -> NoReturn:
-    """Leave a training process with ``code`` without tearing the interpreter down (the entry points'
-    last call, after :func:`run` has returned).
-
-    A training process still holds native threads when a run ends: gloo's workers and socket loop (the
-    process group is shut down, but its C++ object outlives ``destroy_process_group``) and pyarrow's
-    pool. A finished two-rank run once aborted on its way out ("terminate called without an active
-    exception", status 134 instead of the run's own; the signature of a native thread pool met by the
-    interpreter's teardown), which a scheduler script reads as a crash and a test as a failure. Nothing
-    is lost by skipping the teardown: what a run writes is closed by then, and the exit handlers
-    (logging's, the loader's, multiprocessing's) still run here, in the usual order, after the
-    non-daemon threads end; the standard streams are flushed.
-    """
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # noqa: SLF001 -- the interpreter's own exit handlers, run as at a normal exit
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach the reader
-            pass
-    os._exit(code)
