@@ -1,12 +1,21 @@
-"""GPU-speed settings resolved from the device (pipeline/train/speed.py): on CPU a run is as it was."""
+"""Speed settings resolved from the device (pipeline/train/speed.py): the GPU ones leave a CPU run as it
+was; on CPU, malloc keeps freed memory and a bf16 training forward takes SDPA's math kernel."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 from pipeline.config import load_config
 from pipeline.train import speed
+from pipeline.train.build import autocast_bf16_on_cpu
 from pipeline.train.config import PROJECT_ROOT, Config
 
 
@@ -43,3 +52,73 @@ def test_default_yaml_asks_for_the_gpu_settings():
         Config, PROJECT_ROOT / "launch" / "configs" / "default.yaml", {"data.num_workers": 4}
     )
     assert overridden.data.num_workers == 4
+
+
+# A block over glibc's 32 MiB mmap threshold allocated, zeroed and freed each "step", as a step does with
+# the embedding table's gradient: the most minor page faults of one of steps 4-6, with or without
+# keep_freed_memory (the first steps settle the heap: a freed block can be a few bytes short of the next
+# aligned request).
+FAULTS = """
+import resource, sys, torch
+from pipeline.train import speed
+if sys.argv[1] == "keep":
+    assert speed.keep_freed_memory("cpu")
+faults = []
+for _ in range(6):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.zeros(64 << 20, dtype=torch.uint8)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(max(faults[3:]))
+"""
+
+
+def steady_allocation_faults(mode: str) -> int:
+    env = {k: v for k, v in os.environ.items() if k not in speed.MALLOC_ENV}
+    out = subprocess.run([sys.executable, "-c", FAULTS, mode], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
+def test_keep_freed_memory_reuses_a_large_freed_block():
+    plain = steady_allocation_faults("plain")
+    if plain < 1000:
+        pytest.skip(f"{plain} faults for 64 MiB: this kernel maps it in huge pages, nothing to compare")
+    kept = steady_allocation_faults("keep")
+    assert kept < 0.05 * plain, (kept, plain)  # the freed 16,384 pages reused, not faulted in again
+
+
+def test_keep_freed_memory_leaves_gpus_and_a_chosen_allocator_alone(monkeypatch):
+    assert not speed.keep_freed_memory("cuda")
+    monkeypatch.setenv("LD_PRELOAD", "libjemalloc.so.2")
+    assert not speed.keep_freed_memory("cpu")
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (2, 16)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+
+
+def attention_ops(module: nn.Module, grad: bool) -> set[str]:
+    x, mask = torch.randn(4, 10, 32), torch.ones(4, 1, 10, 10, dtype=torch.bool)
+    mask[:2, ..., 7:] = False
+    with profile(activities=[ProfilerActivity.CPU]) as prof, torch.set_grad_enabled(grad):
+        out = module(x, mask)
+        if grad:
+            out.backward()
+    return {e.name for e in prof.events() if "attention" in e.name or e.name == "aten::_softmax"}
+
+
+def test_cpu_bf16_training_forward_computes_attention_with_the_math_kernel():
+    module = Attention()
+    autocast_bf16_on_cpu(module)
+    training = attention_ops(module, grad=True)
+    assert "aten::_softmax" in training  # the math kernel's softmax, and its backward
+    assert not any("flash" in name for name in training), training
+    # Without gradients (a momentum encoder's keys) the flash kernel stays: its forward is the faster.
+    assert any("flash" in name for name in attention_ops(module, grad=False))

@@ -11,6 +11,7 @@ and optimizer are handed to Accelerate (DDP / DeepSpeed wrap them).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 import yaml
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline import distributed as dist
 from pipeline.config import from_dict, to_dict
@@ -283,11 +285,17 @@ def autocast_bf16_on_cpu(module: nn.Module) -> None:
 
     Accelerate (1.15) with mixed_precision=bf16 on CPU neither wraps the prepared forward nor autocasts
     in ``accelerator.autocast()``: the run stayed fp32. On GPU Accelerate does this itself.
+
+    A forward that records gradients computes attention with SDPA's math kernel: in bf16, torch's CPU
+    flash kernel took 2.3-11x the math kernel's time for forward + backward at 16-64 tokens, and the same
+    at 128 (benchmarks/cpu_attention.py; docs/BENCHMARKS.md, "The distillation step on CPU"). A forward
+    without gradients (a momentum encoder's keys) keeps the flash kernel, the faster one there.
     """
     forward = module.forward
 
     def autocast_forward(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        attention = sdpa_kernel(SDPBackend.MATH) if torch.is_grad_enabled() else contextlib.nullcontext()
+        with torch.autocast("cpu", dtype=torch.bfloat16), attention:
             out = forward(*args, **kwargs)
         return tuple(o.float() for o in out) if isinstance(out, tuple) else out.float()
 

@@ -6,14 +6,16 @@ workers, pinned memory.
 where it helps and leaves CPU runs as they were: ``mixed_precision: auto`` is bf16 on a CUDA GPU that
 has it and fp32 on CPU; TF32 is a CUDA switch; ``optim.fused: auto`` is fused on CUDA only;
 ``data.num_workers: auto`` takes the CPUs per rank on CUDA and today's 2 on CPU; batches are pinned
-only for a CUDA device.
+only for a CUDA device. On CPU the C allocator keeps freed memory for reuse (:func:`keep_freed_memory`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import platform
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +51,7 @@ def resolve_setup(cfg: Config, probe: CudaProbe) -> DeviceSetup:
     from it; TF32 is switched here, before anything runs on the device."""
     device, why = resolve_device(cfg.train.device, probe)
     apply_tf32(cfg.train.tf32, device)
+    keep_freed_memory(device)
     return DeviceSetup(
         device=device,
         why=why,
@@ -96,6 +99,33 @@ def apply_tf32(enabled: bool, device: str) -> None:
         return
     torch.set_float32_matmul_precision("high" if enabled else "highest")
     torch.backends.cudnn.allow_tf32 = enabled
+
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "LD_PRELOAD")
+
+
+def keep_freed_memory(device: str) -> bool:
+    """On a CPU run under glibc, have malloc keep freed memory in the process for reuse, so that a
+    step's large buffers are not handed back to the kernel and faulted in again at the next step.
+
+    glibc serves every block over 32 MiB with its own mmap and unmaps it when freed. The embedding
+    table's gradient is such a block (the main job's student: 98,613 x 384 floats, 151 MB): each step
+    allocated it afresh, and zeroing it page by page took 28 ms of a 0.26 s step (docs/BENCHMARKS.md,
+    "The distillation step on CPU"). With mmap off for malloc and no trimming, the freed block is reused.
+    Left alone where the user chose an allocator (``LD_PRELOAD``, glibc's ``MALLOC_*`` variables), off
+    glibc, and on CUDA (the GPU's memory has its own caching allocator). Returns whether it applied.
+    """
+    if device != "cpu" or platform.libc_ver()[0] != "glibc" or any(v in os.environ for v in MALLOC_ENV):
+        return False
+    libc = ctypes.CDLL(None)
+    ok = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    log.info(
+        "CPU: malloc keeps freed memory for reuse (mallopt: no mmap, no trim)"
+        if ok
+        else "CPU: mallopt refused; malloc unchanged"
+    )
+    return ok
 
 
 def cpus_available() -> int:
