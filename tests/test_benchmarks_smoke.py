@@ -56,6 +56,13 @@ def corpus(tmp_path_factory) -> Path:
 
 
 # --------------------------------------------------------------------------- no data, no model
+def test_cpu_attention(capsys, monkeypatch):
+    out = run_script("cpu_attention", "--threads", "1", "--batch", "2", "--heads", "2", "--head_dim", "8",
+                     "--lengths", "8", "--repeats", "1", capsys=capsys, monkeypatch=monkeypatch)  # fmt: skip
+    rows = [line.split() for line in out.splitlines() if line.startswith(("bfloat16", "float32"))]
+    assert len(rows) == 4 and all(float(row[-1]) > 0 for row in rows)  # 2 dtypes x 2 passes, a ratio each
+
+
 def test_false_negatives(capsys, monkeypatch):
     out = run_script("false_negatives", "--batch", "4", "--views", "2", "--dim", "8", "--teacher_dim", "8",
                      "--queue", "8", "--repeats", "1", capsys=capsys, monkeypatch=monkeypatch)  # fmt: skip
