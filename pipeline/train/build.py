@@ -289,7 +289,8 @@ def autocast_bf16_on_cpu(module: nn.Module) -> None:
     A forward that records gradients computes attention with SDPA's math kernel: in bf16, torch's CPU
     flash kernel took 2.3-11x the math kernel's time for forward + backward at 16-64 tokens, and the same
     at 128 (benchmarks/cpu_attention.py; docs/BENCHMARKS.md, "The distillation step on CPU"). A forward
-    without gradients (a momentum encoder's keys) keeps the flash kernel, the faster one there.
+    without gradients (a momentum encoder's keys) keeps the flash kernel, the faster one there. With
+    attention dropout torch takes the math kernel on CPU anyway; this is for dropout 0 (the main job's).
     """
     forward = module.forward
 
