@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from _common import table, timed
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
@@ -50,12 +50,10 @@ def cell(
     mask[: b // 2, ..., t - t // 4 :] = False  # half the rows padded by a quarter
     ref_out, ref_grad = attention("math", q, k, v, mask, grad if backward else None)
     q, k, v, g = (x.to(dtype) for x in (q, k, v, grad))
-    times = []
-    for i in range(repeats + 2):
-        start = time.perf_counter()
-        out, q_grad = attention(kernel, q, k, v, mask, g if backward else None)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
+    results = []  # the last call's output and q's gradient
+    times = [timed(lambda: results.append(attention(kernel, q, k, v, mask, g if backward else None)))
+             for _ in range(repeats + 2)][2:]  # fmt: skip
+    out, q_grad = results[-1]
     err = (out.double() - ref_out).abs().max().item()
     if backward:
         err = max(err, (q_grad.double() - ref_grad).abs().max().item())
@@ -76,18 +74,18 @@ def main() -> None:
         f"torch {torch.__version__}, {args.threads} threads, {args.batch} x {args.heads} heads x "
         f"{args.head_dim}; median ms of {args.repeats} (largest error against float64)"
     )
-    print(f"{'dtype':9s} {'pass':17s} {'tokens':>6s} {'flash':>18s} {'math':>18s} {'flash / math':>12s}")
+    rows = []
     for dtype in (torch.bfloat16, torch.float32):
         for backward in (True, False):
             for t in args.lengths:
                 shape = (args.batch, args.heads, t, args.head_dim)
                 r = {k: cell(k, dtype, shape, backward, args.repeats) for k in KERNELS}
-                name = "forward+backward" if backward else "forward"
-                print(
-                    f"{str(dtype)[6:]:9s} {name:17s} {t:6d} "
-                    + " ".join(f"{r[k]['ms']:8.2f} ({r[k]['err']:.0e})" for k in KERNELS)
-                    + f" {r['flash']['ms'] / r['math']['ms']:12.2f}"
-                )
+                rows.append([
+                    str(dtype)[6:], "forward+backward" if backward else "forward", t,
+                    *(f"{r[k]['ms']:.2f} ({r[k]['err']:.0e})" for k in KERNELS),
+                    f"{r['flash']['ms'] / r['math']['ms']:.2f}",
+                ])  # fmt: skip
+    print(table(["dtype", "pass", "tokens", "flash ms (error)", "math ms (error)", "flash / math"], rows))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,11 @@ def corpus(tmp_path_factory) -> Path:
 def test_cpu_attention(capsys, monkeypatch):
     out = run_script("cpu_attention", "--threads", "1", "--batch", "2", "--heads", "2", "--head_dim", "8",
                      "--lengths", "8", "--repeats", "1", capsys=capsys, monkeypatch=monkeypatch)  # fmt: skip
-    rows = [line.split() for line in out.splitlines() if line.startswith(("bfloat16", "float32"))]
+    rows = [
+        line.strip("| ").split(" | ")
+        for line in out.splitlines()
+        if line.startswith(("| bfloat16", "| float32"))
+    ]
     assert len(rows) == 4 and all(float(row[-1]) > 0 for row in rows)  # 2 dtypes x 2 passes, a ratio each
 
 
@@ -146,7 +150,6 @@ def test_loader(shards, model, tmp_path, capsys, monkeypatch):
     assert str(ids) in out
 
 
-
 def test_loader_worker(shards, model, tmp_path, capsys, monkeypatch):
     from pipeline.cli import main as cli
 
@@ -156,6 +159,7 @@ def test_loader_worker(shards, model, tmp_path, capsys, monkeypatch):
     out = run_script("loader_worker", "--shards", str(ids), "--model", str(model), "--batch", "8",
                      "--window", "2", "--samples", "40", capsys=capsys, monkeypatch=monkeypatch)  # fmt: skip
     assert "samples/s, 1 + 0 texts, batch 8" in out
+
 
 def test_step_profile(shards, model, capsys, monkeypatch):
     out = run_script("step_profile", "--model", str(model), "--shards", str(shards), "--batch", "4",
