@@ -121,7 +121,8 @@ def prepare(args: argparse.Namespace) -> int:
         (Path(student), ["student", model, "--layers", args.student_layers, "--shards", str(out / "shards"),
                          "--seen_char_pieces", "--out", student]),
         (out / "teacher", ["teacher", "--shards", str(out / "shards"), "--out", str(out / "teacher"),
-                           "--model", teacher, "--dtype", "int8", *quiet] + ["--bf16"] * args.bf16),
+                           "--model", teacher, "--dtype", "int8", "--precision", args.teacher_precision,
+                           *quiet]),
         (out / "tok_student", ["tokenize", "--shards", taught, "--out", str(out / "tok_student"),
                                "--model", student, "--max_length", str(args.lengths[0]), *quiet]),
         (out / "tok_e5", ["tokenize", "--shards", taught, "--out", str(out / "tok_e5"),
@@ -149,12 +150,15 @@ def prepare(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------ helpers
 class Budget:
-    """The global time budget: a section asks before it starts whether its estimate still fits."""
+    """The global time budget: a section asks before it starts whether its estimate still fits. 0 is no
+    budget (every section runs, however slow the machine: the smoke test's setting)."""
 
     def __init__(self, seconds: float):
         self.start, self.seconds = time.monotonic(), seconds
 
     def left(self) -> float:
+        if not self.seconds:
+            return math.inf
         return self.seconds - (time.monotonic() - self.start)
 
     def allows(self, estimate_s: float) -> bool:
@@ -696,7 +700,7 @@ def loader_alone(args: argparse.Namespace, device: str, budget: Budget) -> dict[
     cells = loader_cells(
         args.data / "teacher", args.data / shards, model, args.loader_workers, pins, [True],
         args.loader_batch, args.loader_repeats, 
-        deadline=time.monotonic() + max(10.0, min(90.0, budget.left() - 60)),
+        deadline=None if not budget.seconds else time.monotonic() + max(10.0, min(90.0, budget.left() - 60)),
     )  # fmt: skip
     return {"cells": cells}
 
@@ -950,14 +954,19 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--lines", type=int, nargs=2, default=[4000, 3000],
                     help="first lines of the People's Daily and Taobao files (~14k sentences)")  # fmt: skip
     pp.add_argument("--lengths", type=int, nargs=2, default=[64, 128], help="max_length: student, e5-small")
-    pp.add_argument("--bf16", action="store_true", help="the teacher stage under CPU bf16 autocast")
+    pp.add_argument(
+        "--teacher_precision",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="the teacher stage's CPU precision (auto: bf16 where the CPU has native bf16)",
+    )
     pp.add_argument("--drop_build", action="store_true", help="delete the student's weights after copying")
     pp.add_argument("--overwrite", action="store_true")
     pr = sub.add_parser("run", help="measure (a GPU machine; --smoke on CPU)")
     pr.add_argument("--data", type=Path, default=ROOT / "out" / "gpu_bench", help="the prepare folder")
     pr.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "gpu_step.json")
     pr.add_argument(
-        "--budget_s", type=float, default=420.0, help="global time budget (sections skipped past it)"
+        "--budget_s", type=float, default=420.0, help="global time budget (sections skipped past it); 0: none"
     )
     pr.add_argument("--models", nargs="+", default=["student", "e5-small"], choices=list(MODELS))
     pr.add_argument("--batches", type=int, nargs="+", default=[256, 1024, 4096])

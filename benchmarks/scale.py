@@ -239,7 +239,7 @@ def part_stages(n: int, work: Path, results: Results, pre: Path, sample_rows: in
                 f"--shards={small}",
                 f"--out={taught}",
                 f"--model={model}",
-                "--bf16",
+                "--precision=auto",
                 "--progress=false",
             ]
         )

@@ -9,7 +9,8 @@
 # checkpoint. Extra arguments go to the training command, e.g. --train.max_steps=100.
 #   NPROC=2 bash launch/run_sample.sh      # two training processes (gloo) instead of one
 #   MAX_PAIRS=2000 bash launch/run_sample.sh   # evaluate on 2,000 pairs per set instead of all
-#   EVAL_PRECISION=fp32 bash launch/run_sample.sh   # evaluate in fp32 instead of bf16 autocast
+#   PRECISION=fp32 bash launch/run_sample.sh   # every stage in fp32 (auto: bf16 autocast only on a CPU with
+#                                              # native bf16, AMX-BF16 or AVX512-BF16; fp32 on any other)
 #   EXTRA_TEXT="q.txt t.txt" EXTRA_MAX=20000 bash launch/run_sample.sh   # more distillation text
 #     (files preprocess reads, space-separated; at most EXTRA_MAX lines of each; docs/guide.md)
 set -euo pipefail
@@ -18,6 +19,12 @@ EXTRA=()
 for f in ${EXTRA_TEXT:-}; do EXTRA+=("$(realpath -m -- "$f")"); done
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
+# CPU precision of every stage (pipeline/precision.py): auto is bf16 autocast where the CPU has native bf16
+# and fp32 elsewhere (bf16 is emulated there, several times slower); each stage logs what it chose.
+PRECISION=${PRECISION:-auto}
+case "$PRECISION" in auto | fp32 | bf16) ;; *)
+  echo "run_sample: PRECISION=$PRECISION: use auto, fp32 or bf16" >&2; exit 2 ;;
+esac
 OUT=${OUT:-runs/sample}
 NPROC=${NPROC:-1}
 MODEL=${MODEL:-models/e5-small}
@@ -103,21 +110,22 @@ if [ ! -f "$OUT/student/encoder.json" ]; then
     --out "$OUT/student"
 fi
 
-stage "teacher embeddings (bf16 autocast on CPU)"
+stage "teacher embeddings"
 # One worker process per core, one torch thread each (the stage gives each cpu_count/workers threads): the
 # shards are independent, and one thread per process does not wait on a busy second core at every op. The
 # vectors do not depend on the number of workers. At most 4 (each holds a 1.4 GB copy of the model; 9 shards).
 TEACHER_WORKERS=$(( $(nproc) < 4 ? $(nproc) : 4 ))
 if [ ! -f "$OUT/teacher/manifest.json" ]; then
-  "$PY" -m pipeline teacher --shards "$OUT/augmented" --out "$OUT/teacher" --model "$MODEL" --bf16 \
+  "$PY" -m pipeline teacher --shards "$OUT/augmented" --out "$OUT/teacher" --model "$MODEL" --precision "$PRECISION" \
     --workers "$TEACHER_WORKERS"
 fi
 
 stage "distillation"
 # --data.teacher names the folder the teacher stage encoded with (MODEL may be any folder: the config's
 # "e5-small" matches only a folder of that name).
+TRAIN_PRECISION=$PRECISION; [ "$PRECISION" = fp32 ] && TRAIN_PRECISION=no  # Accelerate's name for fp32
 TRAIN_ARGS=(--config launch/configs/distill.yaml --data.shards="$OUT/teacher" --model.name_or_path="$OUT/student"
-            --data.teacher="$MODEL" --run_dir="$OUT/train" "$@")
+            --data.teacher="$MODEL" --run_dir="$OUT/train" --train.mixed_precision="$TRAIN_PRECISION" "$@")
 # The mission's interface: accelerate launch with the shipped CPU configs (gloo for NPROC > 1).
 if [ "$NPROC" -gt 1 ]; then
   LAUNCH=(--config_file launch/accelerate/cpu2.yaml --num_processes "$NPROC")
@@ -132,24 +140,23 @@ fi
 # on two cores wait on each other less than two threads of one process do). All three evaluations encode
 # under bf16 autocast (--precision bf16, written in eval.json/eval.md): measured against fp32, every STS
 # score moved by at most 0.02 for the sample student (all pairs) and 0.03 for e5-small (2,000 pairs a set).
-EVAL_PRECISION=${EVAL_PRECISION:-bf16}
 stage "evaluate the untrained student and the teacher (its scores stand beside the student's in the model card)"
 EVALS=()
 if [ ! -f "$OUT/student_eval/eval.json" ]; then
-  "$PY" -m pipeline eval "$OUT/student" --suite "[sts]" "${PAIRS[@]}" --precision "$EVAL_PRECISION" --threads 1 \
+  "$PY" -m pipeline eval "$OUT/student" --suite "[sts]" "${PAIRS[@]}" --precision "$PRECISION" --threads 1 \
     --progress false --out "$OUT/student_eval" & EVALS+=($!)
 fi
 if [ ! -f "$MODEL/eval/eval.json" ]; then
-  "$PY" -m pipeline eval "$MODEL" --suite "[sts]" "${PAIRS[@]}" --precision "$EVAL_PRECISION" --threads 1 \
+  "$PY" -m pipeline eval "$MODEL" --suite "[sts]" "${PAIRS[@]}" --precision "$PRECISION" --threads 1 \
     --progress false --out "$MODEL/eval" & EVALS+=($!)
 fi
 for pid in "${EVALS[@]}"; do wait "$pid"; done  # set -e: a failed evaluation stops the job here
 stage "evaluate the trained student"
-"$PY" -m pipeline eval "$OUT/train/model" --suite "[sts, tfidf]" "${PAIRS[@]}" --precision "$EVAL_PRECISION" \
+"$PY" -m pipeline eval "$OUT/train/model" --suite "[sts, tfidf]" "${PAIRS[@]}" --precision "$PRECISION" \
   --out "$OUT/train/eval"
 stage report
 # Loss/eval curves and the cosine-per-label picture of the exported checkpoint: $OUT/train/report/report.md
-"$PY" -m pipeline report "$OUT/train" --select best --precision "$EVAL_PRECISION"
+"$PY" -m pipeline report "$OUT/train" --select best --precision "$PRECISION"
 
 stage "export"
 # A sentence-transformers folder with its model card (the recipe that was trained, the table above).

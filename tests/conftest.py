@@ -25,6 +25,9 @@ _changed: list[str] = []
 # (35-48 ms against 0.9-1.1 ms with one thread, load average 8 on 2 cores), and the suite with it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+# precision "auto" answers as on a CPU without native bf16 (fp32) in this process and the ones it starts, so
+# that no test's outcome depends on the CPU it runs on; tests/test_precision.py answers both ways itself.
+os.environ.setdefault("PIPELINE_CPU_BF16", "0")
 
 
 def _process_state() -> dict[str, object]:

@@ -1,4 +1,5 @@
-"""`eval --precision bf16`: CPU only, recorded in eval.json and said in eval.md; scores near fp32."""
+"""`eval --precision`: auto (bf16 only on a CPU with native bf16), fp32 or bf16, which is CPU only; what ran
+is recorded in eval.json and a bf16 score is said in eval.md; scores near fp32."""
 
 import json
 
@@ -18,7 +19,24 @@ def test_bf16_is_cpu_only_and_threads_positive():
         Config(model="m", threads=0)
     with pytest.raises(ConfigError, match="--precision"):
         Config(model="m", precision="fp16")
-    assert Config(model="m").precision == "fp32"  # the default: fp32 unless asked
+    assert Config(model="m").precision == "auto"  # the default: the CPU decides (pipeline/precision.py)
+
+
+@pytest.mark.parametrize(("native", "ran"), [(True, "bf16"), (False, "fp32")])
+def test_auto_records_what_this_cpu_ran(tiny_model, tmp_path, monkeypatch, native, ran):  # noqa: F811
+    from pipeline import precision
+
+    monkeypatch.setattr(precision, "cpu_bf16", lambda *a, **k: precision.CpuBf16(native, "test"))
+    threads, out = torch.get_num_threads(), tmp_path / "auto"
+    args = ["eval", str(tiny_model), "--suite", "[sts]", "--sets", "[PAWSX]", "--max_pairs", "50"]
+    try:
+        assert main([*args, "--threads", "1", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads((out / "eval.json").read_text(encoding="utf-8"))
+    assert (result["config"]["precision"], result["model"]["precision"]) == ("auto", ran)
+    said = "Encoded under bf16 autocast on the CPU (`--precision auto`)" in (out / "eval.md").read_text()
+    assert said == (ran == "bf16")
 
 
 def test_bf16_eval_is_recorded_and_close_to_fp32(tiny_model, tmp_path):  # noqa: F811

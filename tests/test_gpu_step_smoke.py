@@ -46,7 +46,7 @@ def test_smoke_run_records_every_section(prepared, tmp_path, monkeypatch, capsys
     argv = ["run", "--smoke", "--data", str(prepared), "--out", str(out), "--batches", "8",
             "--detail_batch", "8", "--workers", "1", "--warmup", "1", "--steps", "2", "--profile_steps", "1",
             "--sync_steps", "2", "--loader_workers", "0", "1", "--loader_batch", "16",
-            "--loader_repeats", "1", "--compile", "default", "--unpadded", "--budget_s", "150",
+            "--loader_repeats", "1", "--compile", "default", "--unpadded", "--budget_s", "0",
             "--variant=pad8 --train.pad_to_multiple_of=8 sdp=no_cudnn",
             "--variant=bad --train.no_such_field=1"]  # fmt: skip
     with benchmark_module("gpu_step") as gpu_step:

@@ -40,7 +40,13 @@ def test_file_fields_are_resolved_from_the_project_root_when_the_config_is_made(
         resolve_setup(missing, NO_GPU)
 
 
-def test_the_device_setup_on_cpu_resolves_auto_and_fills_the_deepspeed_batch_sizes(tmp_path, shards):
+def test_the_device_setup_on_cpu_resolves_auto_and_fills_the_deepspeed_batch_sizes(
+    tmp_path, shards, monkeypatch
+):
+    from pipeline import precision
+
+    no_bf16 = precision.CpuBf16(False, "no native bf16 (test)")
+    monkeypatch.setattr(precision, "cpu_bf16", lambda *a, **k: no_bf16)  # auto: fp32 on such a CPU
     over = {
         "train.mixed_precision": "auto",
         "optim.fused": "auto",

@@ -16,8 +16,9 @@ from typing import Any, Literal
 
 from pipeline.config import option
 from pipeline.errors import ConfigError, InputError
-from pipeline.evaluate.run import check_precision
+from pipeline.evaluate.run import check_precision, resolve_encode_precision
 from pipeline.evaluate.sts import STS_SETS
+from pipeline.precision import CpuPrecision
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,10 @@ class Config:
     seed: int = option(0, "Seed of the pair subsample.")
     batch_size: int = option(64, "Sentences per encoding batch.")
     device: str = option("cpu", "torch device to encode on.")
-    precision: Literal["fp32", "bf16"] = option(
-        "fp32", "CPU compute precision of the similarity plot's encoding: fp32, or bf16 autocast (as eval's)."
+    precision: CpuPrecision = option(
+        "auto",
+        "CPU compute precision of the similarity plot's encoding, as eval's: auto (bf16 autocast on a CPU "
+        "with native bf16, fp32 elsewhere), fp32 or bf16.",
     )
     progress: bool = option(True, "Show progress bars while encoding.")
 
@@ -56,12 +59,14 @@ class Config:
 def similarity_by_set(encoder: Any, cfg: Config) -> dict[str, tuple[Any, Any]]:
     from pipeline.evaluate.sts import embed_pair_set, load_sts_sets
 
+    precision, why = resolve_encode_precision(cfg.precision, cfg.device)
+    log.info("similarity plot: encoding in %s (%s)", precision, why)
     found = {}
     for pairs in load_sts_sets(cfg.sets):
         pairs = pairs.subsample(cfg.max_pairs, cfg.seed)
         embedded = embed_pair_set(
             lambda t, n=pairs.name: encoder.encode(
-                t, cfg.batch_size, cfg.progress, desc=n, bf16=cfg.precision == "bf16"
+                t, cfg.batch_size, cfg.progress, desc=n, bf16=precision == "bf16"
             ),
             pairs,
         )

@@ -23,6 +23,7 @@ import numpy as np
 from pipeline.config import option, to_dict
 from pipeline.errors import ConfigError
 from pipeline.evaluate.sts import STS_SETS, PairSet, load_sts_sets, read_pair_file, spearman100
+from pipeline.precision import CPU_PRECISIONS, CpuPrecision, resolve_precision_for
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +31,17 @@ SUITES = ("sts", "align", "probe", "tfidf")
 
 
 def check_precision(precision: str, device: str) -> None:
-    """``--precision`` (eval, report): fp32, or bf16 autocast, which is a CPU option."""
-    if precision not in ("fp32", "bf16"):
-        raise ConfigError(f"--precision {precision!r}: choose fp32 or bf16")
+    """``--precision`` (eval, report): auto, fp32, or bf16 autocast, which is a CPU option."""
+    if precision not in CPU_PRECISIONS:
+        raise ConfigError(f"--precision {precision!r}: choose one of {', '.join(CPU_PRECISIONS)}")
     if precision == "bf16" and not device.startswith("cpu"):
-        raise ConfigError(f"--precision bf16 is CPU autocast; with --device {device} use fp32")
+        raise ConfigError(f"--precision bf16 is CPU autocast; with --device {device} use auto or fp32")
+
+
+def resolve_encode_precision(precision: str, device: str) -> tuple[str, str]:
+    """``(fp32 | bf16, why)`` for ``--precision`` on ``device``: auto is bf16 autocast on a CPU with
+    native bf16 and fp32 anywhere else (pipeline/precision.py)."""
+    return resolve_precision_for(precision, device, "--precision")
 
 
 @dataclass
@@ -55,12 +62,13 @@ class Config:
     batch_size: int = option(
         64, "Sentences per encoding batch (texts are tokenised once and batched by token count)."
     )
-    precision: Literal["fp32", "bf16"] = option(
-        "fp32",
-        "CPU compute precision of the encoder: fp32, or bf16 = bfloat16 autocast (weights stay fp32, rows "
-        "re-normalised in fp32; faster on CPUs with AVX512-BF16/AMX). Measured on the five STS sets: within "
-        "0.1 Spearman of fp32 for the sample student and e5-small (docs/evaluate.md). The value used is "
-        "logged and written to eval.json.",
+    precision: CpuPrecision = option(
+        "auto",
+        "CPU compute precision of the encoder: auto (bf16 on a CPU with native bf16, AMX-BF16 or "
+        "AVX512-BF16; fp32 elsewhere, where bf16 is emulated and several times slower), fp32, or bf16 = "
+        "bfloat16 autocast (weights stay fp32, rows re-normalised in fp32). Measured on the five STS sets: "
+        "within 0.1 Spearman of fp32 for the sample student and e5-small (docs/evaluate.md). The precision "
+        "used is logged and written to eval.json.",
     )
     threads: int | None = option(
         None,
@@ -295,16 +303,17 @@ def evaluate_tfidf(sets: list[PairSet]) -> dict[str, float]:
     return _with_avg(scores, [s.name for s in sets])
 
 
-def set_compute(cfg: Config) -> bool:
-    """Apply --threads and say how the encoder computes (logged: a bf16 score is never silent).
-    Returns whether to encode under bf16 autocast."""
+def set_compute(cfg: Config) -> str:
+    """Apply --threads, resolve --precision and say how the encoder computes (logged: a bf16 score is
+    never silent). Returns the precision, fp32 or bf16 (autocast)."""
     import torch
 
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    log.info("encoding on %s in %s with %d torch thread(s), batches of %d sentences by token count",
-             cfg.device, cfg.precision, torch.get_num_threads(), cfg.batch_size)  # fmt: skip
-    return cfg.precision == "bf16"
+    precision, why = resolve_encode_precision(cfg.precision, cfg.device)
+    log.info("encoding on %s in %s (%s) with %d torch thread(s), batches of %d sentences by token count",
+             cfg.device, precision, why, torch.get_num_threads(), cfg.batch_size)  # fmt: skip
+    return precision
 
 
 def default_out(resolved: Any) -> Path:
@@ -336,8 +345,9 @@ def run(cfg: Config) -> int:
             pooling=encoder.pooling, max_length=encoder.max_length, prefix=encoder.prefix, dim=encoder.dim
         )
 
-        bf16 = set_compute(cfg)
-        result["model"]["precision"] = cfg.precision
+        precision = set_compute(cfg)
+        result["model"]["precision"] = precision
+        bf16 = precision == "bf16"
 
         def encode(texts: list[str], desc: str = "encode") -> np.ndarray:
             return encoder.encode(
@@ -374,7 +384,7 @@ def run(cfg: Config) -> int:
         if cfg.dims and {"sts", "probe"} & set(cfg.suite):
             result["dims"] = evaluate_dims(encode, sets, cfg, encoder.dim)
         if cfg.retrieval:
-            result["retrieval"] = evaluate_retrieval(encoder, resolved, cfg)
+            result["retrieval"] = evaluate_retrieval(encoder, resolved, cfg, bf16)
     if "tfidf" in cfg.suite:
         sts["tfidf"] = evaluate_tfidf(sets)
     if any(k in sts for k in ("model", "tfidf")):
@@ -389,8 +399,9 @@ def run(cfg: Config) -> int:
     return 0
 
 
-def evaluate_retrieval(encoder: Any, resolved: Any, cfg: Config) -> dict[str, Any]:
-    """Each --retrieval file: queries with the query prefix against documents with the document prompt."""
+def evaluate_retrieval(encoder: Any, resolved: Any, cfg: Config, bf16: bool) -> dict[str, Any]:
+    """Each --retrieval file: queries with the query prefix against documents with the document prompt
+    (under bf16 autocast with ``bf16``, the resolved --precision)."""
     from pipeline.evaluate.retrieval import make_set, read_pairs, score_retrieval
     from pipeline.model.rules import read_rule
 
@@ -422,7 +433,7 @@ def evaluate_retrieval(encoder: Any, resolved: Any, cfg: Config) -> dict[str, An
                         batch_size=cfg.batch_size,
                         progress=cfg.progress,
                         desc=desc,
-                        bf16=cfg.precision == "bf16",
+                        bf16=bf16,
                     )
                 finally:
                     encoder.prefix = own

@@ -100,7 +100,8 @@ def result_markdown(result: dict[str, Any], heading_level: int = 2) -> str:
             parts.append(f"{hashes} {title}\n\n{table}\n")
     precision = (result.get("model") or {}).get("precision")
     if precision and precision != "fp32":  # a reduced-precision score says so beside its tables
-        parts.append(f"Encoded under {precision} autocast on the CPU (`--precision {precision}`).\n")
+        asked = (result.get("config") or {}).get("precision", precision)
+        parts.append(f"Encoded under {precision} autocast on the CPU (`--precision {asked}`).\n")
     whitening = result.get("whitening")
     if whitening:
         parts.append(

@@ -42,7 +42,7 @@ from pipeline.model.layers import keep_layers, reinitialise, set_dropout
 from pipeline.model.vocab import SCRATCH_SMALL, eval_unk_rates, read_model_config, write_vocab
 from pipeline.shards import read_shard_set
 from pipeline.train.callbacks import Callbacks
-from pipeline.train.checkpoint import Checkpointer, check_compatible
+from pipeline.train.checkpoint import Checkpointer, CheckpointError, check_compatible
 from pipeline.train.config import Config, OptimConfig, resolve_saved_paths
 from pipeline.train.metrics import MetricsLogger
 from pipeline.train.plan import check_against_data
@@ -144,7 +144,7 @@ def build_accelerator(cfg: Config) -> tuple[Any, DeviceSetup]:
 
     from pipeline.train.hangs import init_process_group
 
-    setup = resolve_setup(cfg, probe_cuda())
+    setup = resolve_setup(cfg, probe_cuda(), recorded_precision(cfg))
     no_gpu = setup.device == "cpu"
     if not no_gpu:
         torch.cuda.set_device(bind_local_device())  # one GPU per task: cuda:0 whatever the LOCAL_RANK
@@ -176,6 +176,21 @@ def build_accelerator(cfg: Config) -> tuple[Any, DeviceSetup]:
     return accelerator, setup
 
 
+def recorded_precision(cfg: Config) -> str | None:
+    """The resolved ``train.mixed_precision`` of the checkpoint this run will resume, which ``auto``
+    keeps (a run moved to a CPU of another class resumes as it started); None for a fresh run."""
+    if cfg.train.mixed_precision != "auto" or cfg.resume == "never":
+        return None
+    path = Checkpointer(cfg.run_dir).latest(verify=False) if cfg.resume == "auto" else Path(cfg.resume)
+    if path is None:
+        return None
+    try:
+        saved = Checkpointer.saved_config(path)
+    except CheckpointError:  # resume() says what is wrong with it
+        return None
+    return (saved.get("train") or {}).get("mixed_precision")
+
+
 def device_line(accelerator: Any, setup: DeviceSetup, timeout_s: float) -> str:
     """The run's one start-up line: device, backend, world and nodes, precision, torch and driver."""
     probe, ds = setup.probe, setup.deepspeed
@@ -193,6 +208,7 @@ def device_line(accelerator: Any, setup: DeviceSetup, timeout_s: float) -> str:
     else:
         where = f"device {d} ({setup.why})"
     precision = setup.mixed_precision if setup.mixed_precision != "no" else "fp32"
+    precision += f" ({setup.precision_why})"
     if ds is not None:
         enabled = [k for k in ("bf16", "fp16") if isinstance(ds.get(k), dict) and ds[k].get("enabled")]
         half = enabled[0] if enabled else None

@@ -318,8 +318,10 @@ class TrainConfig:
     epochs: int = option(1, "Passes over the data when max_steps is 0.")
     mixed_precision: Literal["no", "fp16", "bf16", "auto"] = option(
         "no",
-        "Autocast precision (fp16 uses a grad scaler). auto: bf16 on a CUDA GPU that supports it, else no "
-        "(CPU runs stay fp32); resolved at start, and config.yaml records the result.",
+        "Autocast precision (fp16 uses a grad scaler). auto: bf16 on a CUDA GPU that supports it and on a "
+        "CPU with native bf16 (AMX-BF16, AVX512-BF16), else no (fp32); resolved at start, config.yaml "
+        "records the result, and a resumed run keeps it. bf16 on a CPU without native bf16 runs several "
+        "times slower than fp32 (a warning says so).",
     )
     tf32: bool = option(
         True,

@@ -3,8 +3,9 @@ workers, pinned memory.
 
 :func:`resolve_setup` resolves them once, with the device, into one :class:`DeviceSetup` that
 ``build`` hands on (the accelerator, the optimizer, the batches, the start-up line). Each applies only
-where it helps and leaves CPU runs as they were: ``mixed_precision: auto`` is bf16 on a CUDA GPU that
-has it and fp32 on CPU; TF32 is a CUDA switch; ``optim.fused: auto`` is fused on CUDA only;
+where it helps: ``mixed_precision: auto`` is bf16 on a CUDA GPU that has it and on a CPU with native
+bf16 (AMX-BF16, AVX512-BF16; pipeline/precision.py), fp32 elsewhere, and a resumed run keeps the
+precision it started with; TF32 is a CUDA switch; ``optim.fused: auto`` is fused on CUDA only;
 ``data.num_workers: auto`` takes the CPUs per rank on CUDA and today's 2 on CPU; batches are pinned
 only for a CUDA device. On CPU the C allocator keeps freed memory for reuse (:func:`keep_freed_memory`).
 """
@@ -23,6 +24,7 @@ import torch
 
 from pipeline.devices import CudaProbe, resolve_device
 from pipeline.errors import ConfigError
+from pipeline.precision import resolve_cpu_precision
 
 if TYPE_CHECKING:
     from pipeline.train.config import Config
@@ -41,22 +43,26 @@ class DeviceSetup:
     why: str  # why that device (pipeline/devices.py), for the start-up line
     probe: CudaProbe  # what the process saw of the GPUs
     mixed_precision: str  # train.mixed_precision as Accelerate takes it: "no", "fp16" or "bf16"
+    precision_why: str  # why that precision, for the start-up line
     fused: bool  # optim.fused, auto resolved
     deepspeed: dict[str, Any] | None = None  # train.deepspeed_config as the engine takes it
     workers: int = CPU_WORKERS  # data.num_workers, auto resolved (:func:`loader_workers`)
 
 
-def resolve_setup(cfg: Config, probe: CudaProbe) -> DeviceSetup:
+def resolve_setup(cfg: Config, probe: CudaProbe, recorded_precision: str | None = None) -> DeviceSetup:
     """The device for ``train.device`` (or a DeviceError that says why there is none) and what follows
-    from it; TF32 is switched here, before anything runs on the device."""
+    from it; TF32 is switched here, before anything runs on the device. ``recorded_precision``: the
+    resolved precision of the checkpoint this run resumes, which ``auto`` keeps."""
     device, why = resolve_device(cfg.train.device, probe)
     apply_tf32(cfg.train.tf32, device)
     keep_freed_memory(device)
+    precision, precision_why = resolve_precision(cfg.train.mixed_precision, device, recorded_precision)
     return DeviceSetup(
         device=device,
         why=why,
         probe=probe,
-        mixed_precision=resolve_precision(cfg.train.mixed_precision, device),  # auto: bf16 on GPUs
+        mixed_precision=precision,
+        precision_why=precision_why,
         fused=cfg.optim.fused is True or (cfg.optim.fused == "auto" and device == "cuda"),
         deepspeed=deepspeed_settings(cfg) if cfg.train.deepspeed_config else None,
         workers=loader_workers(cfg.data.num_workers, device),  # auto: the CPUs per rank on CUDA
@@ -81,16 +87,29 @@ def deepspeed_settings(cfg: Config) -> dict[str, Any]:
     return ds
 
 
-def resolve_precision(setting: str, device: str) -> str:
-    """``train.mixed_precision`` as Accelerate takes it: ``auto`` becomes bf16 on a CUDA GPU that supports
-    it, else no (fp32); other values are kept."""
-    if setting != "auto":
-        return setting
-    if device == "cuda" and torch.cuda.is_bf16_supported():
-        return "bf16"
+def resolve_precision(setting: str, device: str, recorded: str | None = None) -> tuple[str, str]:
+    """``(precision, why)``: ``train.mixed_precision`` as Accelerate takes it ("no", "fp16", "bf16").
+
+    ``auto`` is bf16 on a CUDA GPU that supports it, and on a CPU with native bf16
+    (:func:`pipeline.precision.resolve_cpu_precision`); fp32 ("no") elsewhere. A resumed run
+    (``recorded``: the precision its checkpoint's config.yaml holds) keeps what it started with, so that
+    a run moved to another CPU class resumes exactly. An explicit bf16 on a CPU without native bf16 runs
+    after one warning; other values are kept.
+    """
+    what = "train.mixed_precision"
+    if setting == "auto" and recorded in ("no", "bf16", "fp16"):
+        return recorded, f"{what}=auto: {recorded}, as the checkpoint this run resumes"
     if device == "cuda":
+        if setting != "auto":
+            return setting, f"{what}={setting}"
+        if torch.cuda.is_bf16_supported():
+            return "bf16", f"{what}=auto: bf16 on this GPU"
         log.warning("train.mixed_precision=auto: this GPU has no bf16; training in fp32 (fp16 is opt-in)")
-    return "no"
+        return "no", f"{what}=auto: this GPU has no bf16"
+    if setting in ("auto", "bf16"):
+        precision, why = resolve_cpu_precision(setting, what)
+        return ("bf16" if precision == "bf16" else "no"), why
+    return setting, f"{what}={setting}"
 
 
 def apply_tf32(enabled: bool, device: str) -> None:

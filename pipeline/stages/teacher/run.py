@@ -39,6 +39,7 @@ import pyarrow as pa
 
 from pipeline.config import option
 from pipeline.errors import ConfigError, InputError
+from pipeline.precision import CpuPrecision, resolve_cpu_precision
 from pipeline.shards import MANIFEST, holds_pairs, read_shard, write_shard
 from pipeline.stages.runner import Execution, Report, ShardJob, ShardStage, ShardWork, read_input
 from pipeline.stages.teacher.consistency import pair_scores
@@ -76,7 +77,12 @@ class Config(Execution):
     batch_size: int = option(128, "Sentences per forward pass (sorted by token count within a shard).")
     max_length: int | None = option(None, "Token limit per sentence (empty = the model's encoder.json).")
     device: str = option("auto", "Torch device: auto (cuda if available), cpu, cuda, cuda:1, ...")
-    bf16: bool = option(False, "CPU only: run the teacher under bfloat16 autocast (GPU always uses fp16).")
+    precision: CpuPrecision = option(
+        "auto",
+        "CPU compute precision: auto (bf16 autocast on a CPU with native bf16, AMX-BF16 or AVX512-BF16; fp32 "
+        "elsewhere, where bf16 is emulated and several times slower), fp32 or bf16. A GPU always runs fp16 "
+        "weights. The manifest records what ran (teacher.compute_precision).",
+    )
     variants: bool = option(False, "Also encode every cached variant (a teacher_variants column).")
     hard_negatives: int = option(
         0, "K: mine K hard negatives per sentence among the teacher's neighbours over all shards (0 = off)."
@@ -151,9 +157,12 @@ def resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
-def precision_for(device: str, bf16: bool) -> Precision:
-    """fp16 weights on a GPU; fp32 on the CPU, or fp32 weights under bf16 autocast with --bf16."""
-    return "fp16" if device.startswith("cuda") else ("bf16" if bf16 else "fp32")
+def precision_for(device: str, setting: str) -> Precision:
+    """fp16 weights on a GPU; on the CPU fp32, or fp32 weights under bf16 autocast, as ``--precision``
+    resolves on this CPU (pipeline/precision.py: auto is bf16 only where the CPU has native bf16)."""
+    if device.startswith("cuda"):
+        return "fp16"
+    return resolve_cpu_precision(setting, "--precision")[0]
 
 
 def load_teacher(cfg: Config, device: str) -> Any:
@@ -162,7 +171,7 @@ def load_teacher(cfg: Config, device: str) -> Any:
     encoder = load_encoder(resolve(cfg.model), device)
     if cfg.max_length is not None:
         encoder.max_length = cfg.max_length
-    if precision_for(device, cfg.bf16) == "fp16":
+    if precision_for(device, cfg.precision) == "fp16":
         encoder.half()
     return encoder
 
@@ -302,7 +311,7 @@ def encode_pair_file(cfg: Config) -> int:
     records = read_records(cfg.pairs_file, "triples" if cfg.triples else "pairs")
     device = resolve_device(cfg.device)
     encoder = load_teacher(cfg, device)
-    precision = precision_for(device, cfg.bf16)
+    precision = precision_for(device, cfg.precision)
     sides = [[r[i] for r in records] for i in range(2)]  # text 1 and text 2 of every record
     first, second = (encode_texts(encoder, texts, cfg.batch_size, precision) for texts in sides)
     write_pair_teacher(cfg.out, cfg.pairs_file, first, second, teacher_record(cfg, encoder, precision))
@@ -371,7 +380,7 @@ class EncodeWork(ShardWork):
         return load_teacher(self.cfg, device)
 
     def shard(self, job: ShardJob, encoder: Any, report: Report) -> dict[str, Any]:
-        return encode_shard(job, encoder, self.cfg, precision_for(self.device, self.cfg.bf16), report)
+        return encode_shard(job, encoder, self.cfg, precision_for(self.device, self.cfg.precision), report)
 
 
 @dataclass
@@ -486,7 +495,11 @@ def run(cfg: Config) -> int:
     else:
         work = EncodeWork(cfg, device, progress_per_sentence=2 if pairs else 1)
         work.loaded = load_teacher(cfg, device)  # for the record; the shards use it if they run here
-        record = teacher_record(cfg, work.loaded, precision_for(device, cfg.bf16))
+        precision = precision_for(device, cfg.precision)
+        on_cpu = precision != "fp16"
+        why = resolve_cpu_precision(cfg.precision, "--precision")[1] if on_cpu else "fp16 weights"
+        log.info("teacher: computing in %s on %s (%s)", precision, device, why)
+        record = teacher_record(cfg, work.loaded, precision)
     shard_dir, record_dir = layout(cfg)
     shards = ShardStage("teacher", cfg, in_manifest, WORK_DIR, {"teacher": record}, LEFT_OUT,
                         "config, input or teacher", shard_dir, record_dir)  # fmt: skip
