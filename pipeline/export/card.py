@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -382,6 +383,33 @@ def card_metadata(
     )  # fmt: skip
 
 
+LOSSY_CONVERSION = ("quantiz", "quantis")  # in PROVENANCE.json's `conversion`: not the published weights
+
+
+def base_model_note(origin: Any) -> str | None:
+    """What the card says beside ``base_model`` when the weights descend from a lossy copy of it rather than
+    from the checkpoint its Hub id names (``models fetch e5-small``: 4-bit Q4_0 weights dequantised to
+    fp32, from PROVENANCE.json's ``conversion``); None when nothing needs saying."""
+    conversion = str((origin.provenance or {}).get("conversion") or "")
+    if not origin.base_model or not any(word in conversion.lower() for word in LOSSY_CONVERSION):
+        return None
+    how = conversion.split(";")[0].strip()
+    return (
+        f"the weights descend from a copy of {origin.base_model} ({how}): close to, but not the same as, "
+        "the checkpoint published on the Hub"
+    )
+
+
+def front_matter(data: Any, note: str | None) -> str:
+    """The card's YAML, with ``note`` as a comment at the end of the ``base_model`` line: the Hub reads the
+    same metadata, and a reader of the YAML sees the provenance where the base model is named."""
+    text = data.to_yaml()
+    if note:
+        line = re.compile(r"^(base_model:[^\n]*)$", re.MULTILINE)
+        text = line.sub(lambda m: f"{m.group(1)}  # {note}", text, count=1)
+    return text
+
+
 # ------------------------------------------------------------------------------------ citations
 CITATIONS = {
     "e5": "@article{wang2024multilingual,\n  title={Multilingual E5 Text Embeddings: A Technical Report},\n"
@@ -572,8 +600,9 @@ def model_card(inp: CardInputs) -> str:
     title = inp.repo_id.split("/")[-1] if inp.repo_id else "Chinese sentence encoder"
     name = inp.repo_id or "PATH/TO/THIS/FOLDER"
     data = card_metadata(origin, inp.license, inp.result, terms, title, inp.onnx is not None)
+    note = base_model_note(origin)
     lines = [
-        f"---\n{data.to_yaml()}\n---\n",
+        f"---\n{front_matter(data, note)}\n---\n",
         f"# {title}\n",
         f"A Chinese sentence encoder ({encoder.dim}-dimensional, L2-normalised embeddings; cosine similarity "
         f"= dot product). Texts are truncated at {encoder.max_length} tokens and pooled with "
@@ -586,6 +615,8 @@ def model_card(inp: CardInputs) -> str:
             + "; ".join(origin.steps)
             + ".\n"
         )
+        if note:
+            lines.append(f"**Not the Hub's checkpoint:** {note}.\n")
     elif origin.scratch:
         lines.append("Trained from a randomly initialised model (no pretrained weights).\n")
     else:
