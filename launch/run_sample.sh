@@ -134,29 +134,50 @@ else
 fi
 "$PY" -m accelerate.commands.launch "${LAUNCH[@]}" launch/pretrain.py "${TRAIN_ARGS[@]}"
 
-# The five STS sets (all pairs unless MAX_PAIRS is set), for the untrained student and the exported
-# (best STS-B valid) model, with the char TF-IDF floor on the same pairs. Results go beside the run.
-# The untrained student and the teacher are evaluated side by side, one torch thread each (two processes
-# on two cores wait on each other less than two threads of one process do). All three evaluations encode
-# under bf16 autocast (--precision bf16, written in eval.json/eval.md): measured against fp32, every STS
-# score moved by at most 0.02 for the sample student (all pairs) and 0.03 for e5-small (2,000 pairs a set).
-stage "evaluate the untrained student and the teacher (its scores stand beside the student's in the model card)"
-EVALS=()
+# The five STS sets (all pairs unless MAX_PAIRS is set), for the untrained student, the teacher (once per
+# MODEL folder: its scores stand beside the student's in the model card) and the exported (best STS-B valid)
+# model, with the char TF-IDF floor on the same pairs; then the report. Results go beside the run. The work
+# runs in two lanes side by side, each with half the cores (two processes on two cores wait on each other
+# less than two threads of one process do), balanced so that no core idles while work waits: the teacher's
+# 12 layers in one lane, the two 6-layer students and the report in the other. Each lane prints its progress
+# as plain lines, prefixed with its name.
+stage "evaluate the students and the teacher on the five STS sets; report"
+LANE_A=() LANE_B=()
+if [ ! -f "$MODEL/eval/eval.json" ]; then LANE_A+=(teacher); fi
 if [ ! -f "$OUT/student_eval/eval.json" ]; then
-  "$PY" -m pipeline eval "$OUT/student" --suite "[sts]" "${PAIRS[@]}" --precision "$PRECISION" --threads 1 \
-    --progress false --out "$OUT/student_eval" & EVALS+=($!)
+  if [ ${#LANE_A[@]} -eq 0 ]; then LANE_A+=(untrained); else LANE_B+=(untrained); fi
 fi
-if [ ! -f "$MODEL/eval/eval.json" ]; then
-  "$PY" -m pipeline eval "$MODEL" --suite "[sts]" "${PAIRS[@]}" --precision "$PRECISION" --threads 1 \
-    --progress false --out "$MODEL/eval" & EVALS+=($!)
-fi
-for pid in "${EVALS[@]}"; do wait "$pid"; done  # set -e: a failed evaluation stops the job here
-stage "evaluate the trained student"
-"$PY" -m pipeline eval "$OUT/train/model" --suite "[sts, tfidf]" "${PAIRS[@]}" --precision "$PRECISION" \
-  --out "$OUT/train/eval"
-stage report
-# Loss/eval curves and the cosine-per-label picture of the exported checkpoint: $OUT/train/report/report.md
-"$PY" -m pipeline report "$OUT/train" --select best --precision "$PRECISION"
+LANE_B+=(trained report)
+THREADS=$(nproc)
+if [ ${#LANE_A[@]} -gt 0 ] && [ "$THREADS" -gt 1 ]; then THREADS=$(( THREADS / 2 )); fi
+evaluate() {  # one piece of evaluation work, by name
+  case "$1" in
+    teacher) "$PY" -m pipeline eval "$MODEL" --suite "[sts]" "${PAIRS[@]}" --precision "$PRECISION" \
+               --threads "$THREADS" --out "$MODEL/eval" ;;
+    untrained) "$PY" -m pipeline eval "$OUT/student" --suite "[sts]" "${PAIRS[@]}" --precision "$PRECISION" \
+                 --threads "$THREADS" --out "$OUT/student_eval" ;;
+    trained) "$PY" -m pipeline eval "$OUT/train/model" --suite "[sts, tfidf]" "${PAIRS[@]}" \
+               --precision "$PRECISION" --threads "$THREADS" --out "$OUT/train/eval" ;;
+    # loss/eval curves and the cosine-per-label picture of the exported checkpoint: report/report.md
+    report) OMP_NUM_THREADS=$THREADS "$PY" -m pipeline report "$OUT/train" --select best \
+              --precision "$PRECISION" ;;
+  esac
+}
+lane() {  # the named pieces in turn, each line of their output prefixed with the piece's name
+  set -o pipefail
+  for piece in "$@"; do evaluate "$piece" 2>&1 | sed -u "s/^/[$piece] /"; done
+}
+kill_tree() {  # a lane and every process under it
+  local child
+  for child in $(pgrep -P "$1"); do kill_tree "$child"; done
+  kill "$1" 2>/dev/null || true
+}
+LANES=()
+if [ ${#LANE_A[@]} -gt 0 ]; then lane "${LANE_A[@]}" & LANES+=($!); fi
+lane "${LANE_B[@]}" & LANES+=($!)
+for pid in "${LANES[@]}"; do  # a failed piece stops the job here, and the other lane's work with it
+  wait "$pid" || { status=$?; for other in "${LANES[@]}"; do kill_tree "$other"; done; exit "$status"; }
+done
 
 stage "export"
 # A sentence-transformers folder with its model card (the recipe that was trained, the table above).

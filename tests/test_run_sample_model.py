@@ -40,3 +40,70 @@ def test_training_names_the_teacher_folder(tmp_path):
     recorded = {"name": str(model), "path": str(model), "hash": "e1acc353134e" + "0" * 52, "dim": 384}
     assert matches(recorded, str(model))
     assert not matches(recorded, "e5-small")  # the config's name alone: the error this run used to stop on
+
+
+def _stub_run(tmp_path, cores: int, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """run_sample.sh with every stage a stub and ``nproc`` answering ``cores``: the commands it ran."""
+    log, bin_dir = tmp_path / "commands.log", tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    shim = tmp_path / "python"
+    shim.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$*" >> {log}\necho "working on $4" >&2\n')
+    (bin_dir / "nproc").write_text(f"#!/usr/bin/env bash\necho {cores}\n")
+    for f in (shim, bin_dir / "nproc"):
+        f.chmod(0o755)
+    full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(shim),
+            "OUT": str(tmp_path / "out"), "MODEL": str(tmp_path / "e5-small"), **env}  # fmt: skip
+    log.unlink(missing_ok=True)
+    proc = subprocess.run(["bash", str(REPO / "launch" / "run_sample.sh")], env=full, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    return proc, log.read_text().splitlines() if log.is_file() else []
+
+
+def _evals(commands: list[str]) -> dict[str, str]:
+    """The evaluation commands by what they evaluate (teacher, untrained, trained) and the report's."""
+    found = {}
+    for c in commands:
+        if c.startswith("-m pipeline eval "):
+            target = c.split()[3]
+            name = "trained" if "train" in target else "untrained"
+            found["teacher" if target.endswith("e5-small") else name] = c
+        elif c.startswith("-m pipeline report "):
+            found["report"] = c
+    return found
+
+
+def test_every_stage_gets_the_machines_precision_and_the_evaluations_share_the_cores(tmp_path):
+    proc, commands = _stub_run(tmp_path, cores=4)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    evals = _evals(commands)
+    assert set(evals) == {"teacher", "untrained", "trained", "report"}
+    for name in ("teacher", "untrained", "trained"):  # two lanes side by side, half the cores each
+        assert "--precision auto" in evals[name] and "--threads 2" in evals[name], evals[name]
+    assert "--precision auto" in next(c for c in commands if c.startswith("-m pipeline teacher"))
+    train = next(c for c in commands if "launch/pretrain.py" in c)
+    assert "--train.mixed_precision=auto" in train
+    # each lane's lines (stderr too: the progress) carry its piece's name
+    assert f"[teacher] working on {tmp_path / 'e5-small'}" in proc.stdout.splitlines()
+    assert f"[untrained] working on {tmp_path / 'out' / 'student'}" in proc.stdout.splitlines()
+
+    # the teacher's scores cached (once per MODEL folder): the untrained student takes the other lane
+    (tmp_path / "e5-small" / "eval").mkdir(parents=True)
+    (tmp_path / "e5-small" / "eval" / "eval.json").write_text("{}")
+    _, commands = _stub_run(tmp_path, cores=4)
+    evals = _evals(commands)
+    assert set(evals) == {"untrained", "trained", "report"} and "--threads 2" in evals["untrained"]
+    # both cached: one lane, every core
+    (tmp_path / "out" / "student_eval").mkdir(parents=True)
+    (tmp_path / "out" / "student_eval" / "eval.json").write_text("{}")
+    _, commands = _stub_run(tmp_path, cores=4)
+    assert set(_evals(commands)) == {"trained", "report"} and "--threads 4" in _evals(commands)["trained"]
+
+
+def test_precision_fp32_reaches_every_stage_and_a_wrong_one_stops_at_once(tmp_path):
+    proc, commands = _stub_run(tmp_path, cores=2, PRECISION="fp32")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--train.mixed_precision=no" in next(c for c in commands if "launch/pretrain.py" in c)
+    assert all("--precision fp32" in c for c in _evals(commands).values())
+    proc, commands = _stub_run(tmp_path, cores=2, PRECISION="fp16")
+    assert proc.returncode == 2 and "PRECISION=fp16: use auto, fp32 or bf16" in proc.stderr
+    assert commands == []
