@@ -49,6 +49,22 @@ def test_files_io_names_and_card(exported):
         assert [d.dim_param for d in dims] == ["batch_size", "sequence_length"]  # dynamic axes
     card = (exported / "README.md").read_text(encoding="utf-8")
     assert "## ONNX" in card and "model_qint8_avx512_vnni.onnx" in card and "- onnxruntime: " in card
+    from pipeline.export.onnx_export import vnni
+
+    # what the int8 file needs, and the kernels its cosine was measured with: this CPU's
+    assert "onnxruntime runs it on any x86-64 CPU with AVX2" in card
+    assert f"Its cosine above was measured on a CPU with {vnni()}." in card
+
+
+def test_the_int8_check_names_the_cpus_int8_instructions(monkeypatch):
+    import torch
+
+    from pipeline.export.onnx_export import vnni
+
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_vnni": True, "avx_vnni": False})
+    assert vnni() == "AVX512-VNNI"
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True})
+    assert vnni() == "no VNNI (AVX2's 16-bit sums)"
 
 
 def test_onnx_encoder_matches_pytorch(exported):

@@ -742,4 +742,19 @@ def onnx_lines(onnx: dict[str, Any], name: str) -> list[str]:
         f'model_kwargs={{"file_name": "{onnx["files"][-1]["file"]}"}})\n```\n',
         "Without torch (numpy, tokenizers and onnxruntime only): `pipeline/export/onnx_encode.py` of the "
         "sentence_pretrain project, `OnnxEncoder(folder).encode(texts)`.\n",
+        *int8_note(onnx),
+    ]
+
+
+def int8_note(onnx: dict[str, Any]) -> list[str]:
+    """What the int8 file is, what it needs, and on which kernels its cosine was measured."""
+    checked = next((f["checked_with"] for f in onnx["files"] if "checked_with" in f), None)
+    if checked is None:
+        return []
+    return [
+        "The int8 file is onnxruntime's dynamic quantisation (int8 weights per channel, uint8 activations at "
+        "run time), named as sentence-transformers names such a file; onnxruntime runs it on any x86-64 CPU "
+        f"with AVX2. Its cosine above was measured on a CPU with {checked}. onnxruntime's int8 kernels use "
+        "VNNI where the CPU has it; without VNNI their 16-bit intermediate sums can saturate (onnxruntime's "
+        "quantization docs), so on such a CPU check the file against the fp32 one before relying on it.\n"
     ]

@@ -112,6 +112,18 @@ def quantize_int8(source: Path, target: Path) -> None:
         root.setLevel(level)
 
 
+def vnni() -> str:
+    """Which int8 dot-product instructions this CPU has, as the card says where the int8 file was checked:
+    onnxruntime's int8 kernels use VNNI where present, and AVX2's VPMADDUBSW, whose 16-bit sums can
+    saturate, elsewhere (onnxruntime's quantization docs)."""
+    import torch
+
+    caps = getattr(torch.cpu, "get_capabilities", dict)()
+    names = (("avx512_vnni", "AVX512-VNNI"), ("avx_vnni", "AVX-VNNI"))
+    found = [name for key, name in names if caps.get(key)]
+    return " and ".join(found) if found else "no VNNI (AVX2's 16-bit sums)"
+
+
 def compare(folder: Path, file_name: str, sentences: list[str], reference: np.ndarray) -> dict[str, float]:
     """Cosine of the ONNX vectors of ``sentences`` with ``reference`` (the PyTorch encoder's)."""
     got = OnnxEncoder(folder, file_name).encode(sentences)
@@ -143,7 +155,7 @@ def write_onnx(encoder: Any, folder: Path, int8: bool, sentences: list[str]) -> 
         )
     if int8:
         quantize_int8(folder / ONNX_FILE, folder / INT8_FILE)
-        files.append({"file": INT8_FILE, "kind": "int8 (dynamic, per channel)",
+        files.append({"file": INT8_FILE, "kind": "int8 (dynamic, per channel)", "checked_with": vnni(),
                       **compare(folder, INT8_FILE, sentences, reference)})  # fmt: skip
         if files[1]["min_cosine"] < INT8_MIN_COSINE:
             raise InputError(
