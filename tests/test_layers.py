@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A unit is a top-level module or package of ``pipeline`` (pipeline.X).
 LAYERS: list[tuple[str, ...]] = [
     ("pipeline", "pipeline.errors", "pipeline.distributed", "pipeline.progress"),  # no pipeline imports
-    ("pipeline.config", "pipeline.io", "pipeline.normalize", "pipeline.devices"),  # + where to compute
+    # + where and in what precision to compute
+    ("pipeline.config", "pipeline.io", "pipeline.normalize", "pipeline.devices", "pipeline.precision"),
     ("pipeline.shards", "pipeline.vectors", "pipeline.run_layout", "pipeline.resources"),  # formats; data
     ("pipeline.model", "pipeline.stages", "pipeline.stages.runner"),  # the encoder; the stage runner
     ("pipeline.data", "pipeline.stages.corpus"),  # training batches; what the corpus stages share
