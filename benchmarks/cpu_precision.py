@@ -39,9 +39,12 @@ PROBE = (
 )
 
 
-def env_for(isa: str, threads: int) -> dict[str, str]:
+def env_for(isa: str, threads: int, work: Path) -> dict[str, str]:
+    """A child's environment under ``isa``, with its own inductor cache: kernels compiled under one ATen
+    capability fail when loaded under another (seen when one machine switches ATEN_CPU_CAPABILITY)."""
     env = {k: v for k, v in os.environ.items() if k not in AVX2}
     env.update(ISAS[isa], OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(work / f"inductor-{isa}")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -71,7 +74,7 @@ def small_input(work: Path, sentences: int) -> Path:
     text.write_text("\n".join(keep) + "\n", encoding="utf-8")
     out = work / "shards"
     cmd = [sys.executable, "-m", "pipeline", "preprocess", str(text), "--out", str(out)]
-    run([*cmd, "--progress", "false"], env_for("native", 2), work / "preprocess.log")
+    run([*cmd, "--progress", "false"], env_for("native", 2, work), work / "preprocess.log")
     return out
 
 
@@ -86,7 +89,7 @@ def steps_rate(run_dir: Path) -> float | None:
 
 
 def cells(args: argparse.Namespace, work: Path, shards: Path, isa: str, precision: str) -> dict:
-    env, py = env_for(isa, args.threads), sys.executable
+    env, py = env_for(isa, args.threads, work), sys.executable
     tag = f"{isa}-{precision}"
     out: dict = {}
     teacher = [py, "-m", "pipeline", "teacher", "--shards", str(shards), "--out",
@@ -131,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         shards = small_input(work, args.sentences)
         results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "cells": {}, "auto": {}}
         for isa in args.isa:
-            said = subprocess.run([sys.executable, "-c", PROBE], env=env_for(isa, 1), capture_output=True,
-                                  text=True, cwd=ROOT, check=True).stdout.strip()  # fmt: skip
+            probe = [sys.executable, "-c", PROBE]
+            said = subprocess.run(probe, env=env_for(isa, 1, work), capture_output=True, text=True, cwd=ROOT,
+                                  check=True).stdout.strip()  # fmt: skip
             results["auto"][isa] = said
             print(f"{isa}: ATen {said}", flush=True)
             for precision in args.precision:
