@@ -397,3 +397,19 @@ def test_one_record_of_a_shard_set(taught, shards, tmp_path):
         check_against_data(debug_config(tmp_path, taught, **{"data.num_variants": 4}), info, 1)
     with pytest.raises(ConfigError, match="has no teacher embeddings"):
         check_against_data(debug_config(tmp_path, shards, **{"data.teacher": "tiny-teacher"}), plain, 1)
+
+
+def test_each_worker_takes_its_share_of_the_cpus_this_process_may_use(tmp_path, monkeypatch):
+    """A SLURM task granted 8 CPUs of a larger node: 4 workers get 2 threads each, not node cores / 4."""
+    import os
+
+    import torch
+
+    from pipeline.stages.teacher import run as teacher_run
+
+    monkeypatch.setattr(teacher_run, "load_teacher", lambda cfg, device: device)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    cfg = teacher_run.Config(shards=tmp_path, out=tmp_path / "out", model="m")
+    assert teacher_run.EncodeWork(cfg, "cpu").load(4) == "cpu"
+    assert torch.get_num_threads() == 2

@@ -373,7 +373,8 @@ class EncodeWork(ShardWork):
     def load(self, processes: int) -> Any:
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))  # the workers share the cores
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // processes))  # the workers share the CPUs
+        # this process may use (its affinity: what SLURM's --cpus-per-task grants, not the node's cores)
         device = self.device
         if device == "cuda" and torch.cuda.device_count() > 1:  # one GPU per worker, round robin
             device = f"cuda:{(mp.current_process()._identity[0] - 1) % torch.cuda.device_count()}"
