@@ -481,11 +481,11 @@ def draw_plots(args: argparse.Namespace, conditions: dict[str, Condition]) -> No
         from pipeline.evaluate.plots import plot_similarity
         from pipeline.evaluate.report import Config as ReportConfig
         from pipeline.evaluate.report import similarity_by_set
-        from pipeline.model import SentenceEncoder
+        from pipeline.evaluate.resolve import resolve
 
         for tag, model in (("before", before), ("after", after)):
             cfg = ReportConfig(run_dir=model, max_pairs=args.max_pairs or 2000, progress=False)
-            cosines = similarity_by_set(SentenceEncoder.from_pretrained(model), cfg)
+            cosines = similarity_by_set(resolve(str(model)), cfg, None)
             state = "untrained" if tag == "before" else "trained"
             title = f"cosine per gold label, {state} encoder ({model.parent.name})"
             plot_similarity(cosines, args.plots / f"quality_cosine_{tag}.png", title)

@@ -2,6 +2,7 @@ import json
 import logging
 
 import numpy as np
+import pytest
 from test_eval_fixtures import build_fake_run, tiny_model  # noqa: F401 (fixture)
 
 from pipeline.cli import main
@@ -113,3 +114,48 @@ def test_report_refuses_bf16_off_the_cpu_in_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path), "--precision", "bf16", "--device", "cuda:0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--precision bf16 is CPU autocast" in err[0]
+
+
+def test_the_similarity_plot_reuses_evals_cosines_of_the_same_weights(
+    tiny_model,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    caplog,
+):
+    """eval saves each set's per-pair cosines with the weights' sha256; report plots those of the same
+    weights and precision without loading the encoder, and encodes again for other weights."""
+    from pipeline.evaluate import report, resolve
+
+    run = build_fake_run(tmp_path / "run", tiny_model)
+    sets = ["--sets", "[STS-B, PAWSX]"]
+    assert (
+        main(["eval", str(run), "--suite", "[sts]", *sets, "--progress", "false", "--out", str(run / "eval")])
+        == 0
+    )
+    record = json.loads((run / "eval" / "eval.json").read_text())["cosines"]
+    assert record["pairs"] == {"STS-B": 1361, "PAWSX": 2000} and record["max_pairs"] is None
+    cfg = report.Config(run_dir=run, sets=["STS-B", "PAWSX"], max_pairs=300, progress=False)
+    resolved = resolve.resolve(run, "best")
+    encoded = report.similarity_by_set(resolved, cfg, None)
+    evaluation = report.find_eval(run, resolved.checkpoint_dir)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the report loaded the encoder")
+
+    monkeypatch.setattr(resolve, "load_encoder", refuse)
+    with caplog.at_level(logging.INFO):
+        reused = report.similarity_by_set(resolved, cfg, evaluation)
+    assert "nothing to encode" in caplog.text
+    for name, (cosines, labels) in encoded.items():
+        assert len(reused[name][0]) == 300 and np.array_equal(reused[name][1], labels)
+        assert np.allclose(reused[name][0], cosines, atol=1e-5)  # the same pairs, the same cosines
+    assert main(["report", str(run), "--sets", "STS-B", "--sets", "PAWSX", "--max-pairs", "300",
+                 "--progress", "false"]) == 0  # fmt: skip
+    assert (run / "report" / "similarity.png").read_bytes()[:8] == PNG_MAGIC
+
+    other = {**evaluation[1], "cosines": {**record, "weights_sha256": "0" * 64}}  # other weights: encode
+    with pytest.raises(AssertionError, match="loaded the encoder"):
+        report.similarity_by_set(resolved, cfg, (evaluation[0], other))
+    other["cosines"] = {**record, "precision": "bf16"}  # another precision: encode
+    with pytest.raises(AssertionError, match="loaded the encoder"):
+        report.similarity_by_set(resolved, cfg, (evaluation[0], other))

@@ -56,13 +56,30 @@ class Config:
         check_precision(self.precision, self.device)
 
 
-def similarity_by_set(encoder: Any, cfg: Config) -> dict[str, tuple[Any, Any]]:
+def similarity_by_set(
+    resolved: Any, cfg: Config, evaluation: tuple[Path, dict[str, Any]] | None
+) -> dict[str, tuple[Any, Any]]:
+    """Cosine and gold label of each set's pairs (a seeded subsample of ``--max-pairs``): the per-pair
+    cosines ``eval`` saved for the same weights in the same precision when there are some (no encoding),
+    else the checkpoint's encoder on the pairs."""
+    from pipeline.evaluate import resolve
     from pipeline.evaluate.sts import embed_pair_set, load_sts_sets
 
     precision, why = resolve_encode_precision(cfg.precision, cfg.device)
+    sets = load_sts_sets(cfg.sets)
+    saved = saved_cosines(evaluation, resolve.weights_digest(resolved), precision, sets)
+    if saved is not None:
+        log.info("similarity plot: the cosines %s holds for these weights (%s); nothing to encode",
+                 evaluation[0].parent / saved.pop("_file"), precision)  # fmt: skip
+        found = {}
+        for pairs in sets:
+            rows = pairs.subsample_rows(cfg.max_pairs, cfg.seed)
+            found[pairs.name] = (saved[pairs.name][rows], pairs.labels[rows])
+        return found
     log.info("similarity plot: encoding in %s (%s)", precision, why)
+    encoder = resolve.load_encoder(resolved, cfg.device)
     found = {}
-    for pairs in load_sts_sets(cfg.sets):
+    for pairs in sets:
         pairs = pairs.subsample(cfg.max_pairs, cfg.seed)
         embedded = embed_pair_set(
             lambda t, n=pairs.name: encoder.encode(
@@ -72,6 +89,31 @@ def similarity_by_set(encoder: Any, cfg: Config) -> dict[str, tuple[Any, Any]]:
         )
         found[pairs.name] = (embedded.cosines(), pairs.labels)
     return found
+
+
+def saved_cosines(
+    evaluation: tuple[Path, dict[str, Any]] | None, digest: str | None, precision: str, sets: list[Any]
+) -> dict[str, Any] | None:
+    """The per-pair cosines of an eval.json (eval's cosines.npz) when they were computed with these
+    weights (sha256), in this precision, on every pair of each of ``sets``; None otherwise."""
+    import numpy as np
+
+    record = (evaluation[1].get("cosines") if evaluation else None) or {}
+    path = evaluation[0].parent / str(record.get("file", "")) if evaluation else None
+    if (
+        digest is None
+        or record.get("weights_sha256") != digest
+        or record.get("precision") != precision
+        or record.get("max_pairs") is not None
+        or path is None
+        or not path.is_file()
+    ):
+        return None
+    with np.load(path) as data:
+        found = {s.name: data[s.name] for s in sets if s.name in data.files and len(data[s.name]) == len(s)}
+    if len(found) != len(sets):
+        return None
+    return {**found, "_file": record["file"]}
 
 
 def find_eval(run_dir: Path, checkpoint_dir: Path | None) -> tuple[Path, dict[str, Any]] | None:
@@ -122,9 +164,9 @@ def run(cfg: Config) -> int:
             sections.append(f"No similarity plot: {exc}\n")
         else:
             checkpoint_dir = resolved.checkpoint_dir
-            encoder = resolve.load_encoder(resolved, cfg.device)
             title = f"cosine similarity per gold label: {Path(resolved.name).parent.name or resolved.name}"
-            png = plots.plot_similarity(similarity_by_set(encoder, cfg), out / "similarity.png", title)
+            cosines = similarity_by_set(resolved, cfg, find_eval(run_dir, checkpoint_dir))
+            png = plots.plot_similarity(cosines, out / "similarity.png", title)
             if png is not None:
                 images.append(("Cosine similarity per gold label", png))
     for title, png in images:

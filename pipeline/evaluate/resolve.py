@@ -283,6 +283,17 @@ def consolidate_zero(zero_dir: Path, skeleton_dir: Path) -> SentenceEncoder:
     return encoder
 
 
+def weights_digest(resolved: Resolved | None) -> str | None:
+    """sha256 of the model's safetensors weights, which say that two evaluations encoded with the same
+    model; None where there is no such file (a Hub name, a DeepSpeed checkpoint)."""
+    from pipeline.io import sha256_file
+
+    if resolved is None or resolved.model_dir is None or resolved.kind == "deepspeed":
+        return None
+    weights = Path(resolved.model_dir) / "model.safetensors"
+    return sha256_file(weights) if weights.is_file() else None
+
+
 def describe(resolved: Resolved) -> dict[str, Any]:
     """What was evaluated/exported, for eval.json and the model card."""
     info: dict[str, Any] = {"spec": resolved.spec, "kind": resolved.kind, "model_dir": resolved.name}

@@ -189,8 +189,14 @@ def _with_avg(scores: dict[str, float], names: list[str]) -> dict[str, float]:
     return {k: scores[k] for k in [*names, "avg5"] if k in scores}
 
 
-def evaluate_model(encode: Callable[[list[str], str], np.ndarray], sets: list[PairSet], cfg: Config) -> dict:
-    """STS (raw and whitened) and alignment/uniformity from one encoding of each set."""
+def evaluate_model(
+    encode: Callable[[list[str], str], np.ndarray],
+    sets: list[PairSet],
+    cfg: Config,
+    cosines: dict[str, np.ndarray] | None = None,
+) -> dict:
+    """STS (raw and whitened) and alignment/uniformity from one encoding of each set; each set's raw
+    per-pair cosines go into ``cosines`` when given."""
     from pipeline.evaluate.alignment import alignment, uniformity
     from pipeline.evaluate.sts import embed_pair_set
 
@@ -203,7 +209,10 @@ def evaluate_model(encode: Callable[[list[str], str], np.ndarray], sets: list[Pa
     raw, white, align = {}, {}, {}
     for pairs in sets:
         embedded = embed_pair_set(lambda texts, name=pairs.name: encode(texts, name), pairs)
-        raw[pairs.name] = spearman100(embedded.cosines(), pairs.labels)
+        pair_cosines = embedded.cosines()
+        raw[pairs.name] = spearman100(pair_cosines, pairs.labels)
+        if cosines is not None:
+            cosines[pairs.name] = np.asarray(pair_cosines, dtype=np.float32)
         if cfg.whitening:
             w = whitener or _fit_whitening(embedded.vectors, cfg)
             white[pairs.name] = spearman100(embedded.cosines(w.apply), pairs.labels)
@@ -359,7 +368,10 @@ def run(cfg: Config) -> int:
             encode = cached(encode)
 
         if {"sts", "align"} & set(cfg.suite):
-            found = evaluate_model(encode, sets, cfg)
+            cosines: dict[str, np.ndarray] = {}
+            found = evaluate_model(encode, sets, cfg, cosines)
+            if "sts" in cfg.suite and not cfg.pairs:  # the bundled sets: a report can plot them from these
+                result["cosines"] = save_cosines(cosines, out_dir, resolved, precision, cfg)
             if "align" in found:
                 result["align"] = found.pop("align")
             sts.update(found)
@@ -445,6 +457,23 @@ def evaluate_retrieval(encoder: Any, resolved: Any, cfg: Config, bf16: bool) -> 
         )
         out[data.name] = {**scores, "query_prefix": query_prefix, "document_prefix": document_prefix}
     return out
+
+
+COSINES_FILE = "cosines.npz"
+
+
+def save_cosines(
+    cosines: dict[str, np.ndarray], out_dir: Path, resolved: Any, precision: str, cfg: Config
+) -> dict[str, Any]:
+    """OUT/cosines.npz: each scored set's per-pair cosines in file order, and what they were computed
+    with, so that ``report`` plots the same model's similarities without encoding the sets again."""
+    from pipeline.evaluate.resolve import weights_digest
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    np.savez(out_dir / COSINES_FILE, **cosines)
+    pairs = {name: len(values) for name, values in cosines.items()}
+    return {"file": COSINES_FILE, "weights_sha256": weights_digest(resolved), "precision": precision,
+            "max_pairs": cfg.max_pairs, "seed": cfg.seed, "pairs": pairs}  # fmt: skip
 
 
 def write_result(result: dict[str, Any], out_dir: Path) -> None:

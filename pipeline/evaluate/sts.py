@@ -55,11 +55,17 @@ class PairSet:
         n = max_pairs
         return PairSet(self.name, self.sentence1[:n], self.sentence2[:n], self.labels[:n])
 
+    def subsample_rows(self, max_pairs: int | None, seed: int) -> np.ndarray:
+        """The rows :meth:`subsample` keeps, in file order."""
+        if max_pairs is None or len(self) <= max_pairs:
+            return np.arange(len(self))
+        return np.sort(np.random.default_rng(seed).choice(len(self), size=max_pairs, replace=False))
+
     def subsample(self, max_pairs: int | None, seed: int) -> PairSet:
         """A seeded random subset of ``max_pairs`` pairs (kept in file order); all if None or enough."""
         if max_pairs is None or len(self) <= max_pairs:
             return self
-        keep = np.sort(np.random.default_rng(seed).choice(len(self), size=max_pairs, replace=False))
+        keep = self.subsample_rows(max_pairs, seed)
         return PairSet(
             self.name,
             [self.sentence1[i] for i in keep],
