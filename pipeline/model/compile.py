@@ -8,11 +8,17 @@ Shapes: a padded run pads each batch to its longest sentence (or to a bucket,
 first shape static and, at the second, one graph dynamic in that dimension (automatic dynamic shapes),
 so a run compiles a few graphs, not one per length; ``RECOMPILE_LIMIT`` bounds the rest (past it the
 frame runs eagerly, it does not fail) and every recompile is logged with its reason.
+
+Compiled kernels are cached on disk (inductor's cache) per CPU instruction set: a kernel built for one
+set crashes the process that loads it under another (a home or /tmp shared by nodes of different CPU
+generations, or a run with ``ATEN_CPU_CAPABILITY`` capped), so each set gets its own folder.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 from typing import Any
 
 from torch import nn
@@ -26,6 +32,23 @@ RECOMPILE_LIMIT = 8  # graphs per compiled frame: train/eval mode x a few shapes
 log = logging.getLogger(__name__)
 
 
+def kernel_cache_dir() -> str:
+    """Inductor's cache folder for this machine's instruction sets: ``TORCHINDUCTOR_CACHE_DIR`` when the
+    user set it, else inductor's default folder with a subfolder named for ATen's CPU capability and the
+    vector ISA inductor compiles for (``avx2-avx2``, ``avx512-avx512_avx512_vnni_amx_tile``), which both
+    follow ``ATEN_CPU_CAPABILITY``. Set in the environment, so compile workers inherit it."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    import torch
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    isa = f"{torch.backends.cpu.get_cpu_capability()}-{pick_vec_isa() or 'novec'}".lower()
+    folder = os.path.join(default_cache_dir(), re.sub(r"[^a-z0-9_.-]+", "_", isa))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    return folder
+
+
 def compile_encoder(module: nn.Module, mode: str, backend: str = "inductor") -> nn.Module:
     """``module`` compiled in place with torch.compile ``mode`` (``off``: untouched); returns it.
     ``backend``: inductor for training; the tests also trace with ``aot_eager`` (no C++ build)."""
@@ -35,6 +58,8 @@ def compile_encoder(module: nn.Module, mode: str, backend: str = "inductor") -> 
         return module
     import torch._dynamo
 
+    if backend == "inductor":
+        log.info("compile: kernels cached in %s", kernel_cache_dir())
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     torch._logging.set_logs(recompiles=True)  # each recompile, with the guard that failed, in the log
     module.compile(mode=None if mode == "default" or backend != "inductor" else mode, backend=backend)
