@@ -363,3 +363,10 @@ def test_placeholders_and_shell_around_a_command_are_not_values():
     check(Found("x.md", 1, tuple(words)))
     synopsis = "python -m pipeline export CHECKPOINT --out DIR [--onnx-int8] [--push-to-hub REPO [--dry-run]]"
     check(Found("x.md", 1, tuple(shlex.split(synopsis))))
+
+
+def test_the_readme_lists_every_shipped_config():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    listed = text[text.index("Shipped configs in `launch/configs/`") :].split("\n\n", 1)[0]
+    missing = [p.name for p in sorted((ROOT / "launch" / "configs").iterdir()) if f"`{p.name}`" not in listed]
+    assert not missing, f"README's list of shipped configs misses {missing}"
