@@ -6,11 +6,11 @@
 The commands are read from README.md's "On a GPU cluster" block and submitted as they are written: the
 same scripts, configs, arguments and `--dependency=afterok` chain. Only what a CPU node cannot match is
 replaced, each by a rule below that must still find its text in the README (else the rehearsal stops,
-naming the rule): the GPU and node requests (CPU, one node, two training processes, arrays of two), the
-corpus (the bundled sample; with --tiny its first lines and a random 12-layer teacher of e5-small's
-width), `runs/cluster` (--out), and for training the GPU-only settings (train.device=cpu,
-train.compile=off) and a length of a few hundred steps of a CPU-sized batch, checkpoints and STS-B valid
-by steps (the same steps in every run, so runs can be compared bit for bit).
+naming the rule): the GPU and node requests (CPU, one node, two training processes, arrays of two; of
+one with --tiny), the corpus (the bundled sample; with --tiny its first 200 lines, and a random 12-layer,
+64-wide character BERT as the teacher), `runs/cluster` (--out), and for training the GPU-only settings
+(train.device=cpu, train.compile=off), a length of a few hundred steps of a CPU-sized batch, and
+checkpoints and STS-B valid by steps (the same steps in every run, so runs can be compared bit for bit).
 
 Then it checks:
 1. every job of the chain ends COMPLETED;
@@ -135,7 +135,7 @@ def rules(form: Form, out: Path, corpus: list[str], teacher: str | None) -> list
     if teacher is not None:
         found += [
             Rule(r"^\.venv/bin/python -m pipeline models fetch e5-small --out models/e5-small$", "",
-                 "a random teacher of e5-small's width instead"),
+                 "a random 12-layer teacher instead"),
             Rule(r"(?<![\w/])models/e5-small\b", teacher, "the random teacher"),
         ]  # fmt: skip
     return found
@@ -213,17 +213,20 @@ def cancel(env: dict[str, str], records: list[dict[str, str]]) -> None:
 def wait_for(
     env: dict[str, str], logs: Path, since: int, done: Any, timeout: float, what: str
 ) -> list[dict[str, str]]:
-    """Poll the rehearsal's jobs until ``done(records)``; a job that fails cancels the rest."""
-    deadline = time.monotonic() + timeout
+    """Poll the rehearsal's jobs until ``done(records)``; a job that fails cancels the rest. Returns the
+    last record seen of every job: the controller forgets a finished job after MinJobAge (10 minutes
+    on the local cluster), long before a chain on the bundled sample ends."""
+    deadline, seen = time.monotonic() + timeout, {}
     while time.monotonic() < deadline:
         records = jobs(env, logs, since)
+        seen.update((r["JobId"], r) for r in records)
         failed = [r for r in records if r["JobState"] in FINAL - {"COMPLETED"}]
         if failed:
             cancel(env, records)
             names = ", ".join(f"{r['JobName']} {r['JobId']} {r['JobState']} ({r['StdOut']})" for r in failed)
             raise RehearsalError(f"{what}: {names}")
         if records and done(records):
-            return records
+            return sorted(seen.values(), key=lambda r: int(r["JobId"]))
         time.sleep(2)
     cancel(env, jobs(env, logs, since))
     raise RehearsalError(f"{what}: not done in {timeout:.0f} s")
