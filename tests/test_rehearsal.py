@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,24 @@ def test_the_readme_sequence_runs_as_slurm_jobs(tmp_path):
     assert abs(result["avg5"]["slurm, 2 ranks"] - result["avg5"]["one process"]) <= 0.3
     assert result["kill"]["restarts"] == 1 and result["kill"]["resumed_from"].startswith("step-")
     assert result["sha256"]["uninterrupted"] == result["sha256"]["killed and requeued"]
+    report = [sys.executable, str(REPO / "benchmarks" / "cluster_rehearsal.py"), "report", "--out", str(out)]
+    tables = subprocess.run(report, capture_output=True, text=True, check=True).stdout
+    assert re.search(r"\| \d+ \| pretrain \| COMPLETED \| 0 \|", tables) and "killed and requeued" in tables
+    assert "[pretrain.sbatch] training exited with status 0" in tables  # the last line of its log
+
+
+def test_the_lr_check_accumulates_large_batches_and_reports_each_run(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("cluster_lr", REPO / "benchmarks" / "cluster_lr.py")
+    lr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lr)
+    small = lr.command(tmp_path, tmp_path, 256, "1e-3", 51200, 25, 256)
+    large = lr.command(tmp_path, tmp_path, 2048, "2e-3", 51200, 5, 256)
+    assert not any("grad_accum" in a for a in small) and "--train.grad_accum_steps=8" in large
+    assert "--optim.warmup_steps=6" in small and "--train.max_samples=51200" in large
+    run = tmp_path / "b2048_lr2e-3"
+    run.mkdir()
+    records = [{"event": "eval", "step": 0, "sts_b_valid_spearman": 71.6}, {"step": 5, "loss": 0.1},
+               {"event": "eval", "step": 5, "sts_b_valid_spearman": 75.25}]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "| 2,048 | 2e-3 | 0: 71.60 / 5: 75.25 | 75.25 (step 5) | no |" in lr.report(tmp_path)
