@@ -95,7 +95,7 @@ class Form:
 TINY_WIDTH = 64  # the random teacher's (and so the student's) width; e5-small's is 384
 FULL = Form("full", batch=64, steps=300, eval_every=100, checkpoint_every=50, max_pairs=1000, kill_at=120,
             timeout=4 * 3600.0)  # fmt: skip
-TINY = Form("tiny", batch=16, steps=24, eval_every=12, checkpoint_every=4, max_pairs=64, kill_at=9,
+TINY = Form("tiny", batch=16, steps=40, eval_every=20, checkpoint_every=4, max_pairs=64, kill_at=9,
             timeout=1800.0, array=1,
             extra_train=("--train.eval_max_pairs=64", f"--data.teacher_dim={TINY_WIDTH}"))  # fmt: skip
 
