@@ -173,7 +173,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", type=Path, default=REPO / "launch" / "configs" / "default.yaml")
+    parser.add_argument("--config", type=Path, default=REPO / "launch" / "configs" / "luse_scratch.yaml")
     parser.add_argument("--repeats", type=int, default=3, help="saves/loads to time")
     parser.add_argument("--nproc", type=int, default=2, help="training processes in the preemption run")
     parser.add_argument("--sentences", type=int, default=1024, help="sentences in the generated shards")

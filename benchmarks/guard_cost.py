@@ -1,6 +1,6 @@
 """What the non-finite guard costs per training step, and what the finiteness check at a save costs.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/guard_cost.py [--config launch/configs/default.yaml]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/guard_cost.py [--config launch/configs/luse_scratch.yaml]
 
 The guard (pipeline/train/guard.py) adds to every step: a gradient norm (reused from clipping when
 ``optim.grad_clip`` is on), two ``isfinite``, and one device-to-host copy of two numbers (an all-reduce
@@ -29,7 +29,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", type=Path, default=REPO / "launch" / "configs" / "default.yaml")
+    parser.add_argument("--config", type=Path, default=REPO / "launch" / "configs" / "luse_scratch.yaml")
     parser.add_argument("--blocks", type=int, default=10, help="blocks of steps per setting, interleaved")
     parser.add_argument("--steps", type=int, default=5, help="steps per block")
     args = parser.parse_args()

@@ -1,6 +1,6 @@
 """Quality study (issue 7): which objective gives the better from-scratch sentence encoder?
 
-Every trained condition starts from the same random small BERT (``launch/configs/default.yaml``'s
+Every trained condition starts from the same random small BERT (``launch/configs/luse_scratch.yaml``'s
 model) on the same augmented shards, with the SAME compute: equal optimizer steps and equal encoded
 sequences per step (``--sequences``; LUSE with n views takes sequences/n sentences, SimCSE with 2
 views takes sequences/2). A momentum key encoder adds one forward pass of view 0 per step on top;
@@ -48,7 +48,7 @@ from pipeline.run_layout import CHECKPOINTS_DIR, STEP_GLOB, step_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DEFAULT_CONFIG = ROOT / "launch" / "configs" / "default.yaml"
+DEFAULT_CONFIG = ROOT / "launch" / "configs" / "luse_scratch.yaml"
 STUDENT_CONFIG = ROOT / "launch" / "configs" / "distill.yaml"
 
 

@@ -91,7 +91,7 @@ def main() -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="step_profile-"))
     argv = [
         "--config",
-        str(REPO / "launch/configs/default.yaml"),
+        str(REPO / "launch/configs/luse_scratch.yaml"),
         f"--model.name_or_path={args.model}",
         f"--data.shards={args.shards}",
         f"--data.max_length={args.max_length}",

@@ -10,8 +10,10 @@ fi
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
 .venv/bin/ruff check pipeline launch tests benchmarks
 # Two worker processes (pytest-xdist), a test file's tests on one worker (module fixtures built once);
-# TEST_WORKERS=1 runs them in this process, one after another.
+# TEST_WORKERS=1 runs them in this process, one after another. A worker that crashes (a signal, not a
+# failed assert) ends the run naming the test it ran: pytest-xdist 3.8 hangs replacing a crashed worker
+# under --dist loadfile.
 WORKERS=${TEST_WORKERS:-2}
 PARALLEL=()
-if [ "$WORKERS" -gt 1 ]; then PARALLEL=(-n "$WORKERS" --dist loadfile); fi
+if [ "$WORKERS" -gt 1 ]; then PARALLEL=(-n "$WORKERS" --dist loadfile --max-worker-restart 0); fi
 .venv/bin/python -m pytest -q "${PARALLEL[@]}" "$@"

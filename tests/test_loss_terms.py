@@ -15,7 +15,8 @@ from pipeline.train.config import PROJECT_ROOT, Config
 
 CONFIGS = PROJECT_ROOT / "launch" / "configs"
 
-# launch/configs/distill.yaml and default.yaml as earlier versions wrote them (their objective sections)
+# launch/configs/distill.yaml and luse_scratch.yaml (then default.yaml) as earlier versions wrote them (their
+# objective sections)
 OLD_DISTILL = {"name": "luse", "contrastive_weight": 0.0, "distill_weight": 1.0, "distill_loss": "cosine",
                "teacher_dim": 384}  # fmt: skip
 OLD_DEFAULT = {"name": "luse", "temperature": 0.05, "queue_size": 256, "momentum": 0.995}
@@ -31,7 +32,9 @@ def old_form(path, objective, tmp_path):
     return out
 
 
-@pytest.mark.parametrize("name, objective", [("distill.yaml", OLD_DISTILL), ("default.yaml", OLD_DEFAULT)])
+@pytest.mark.parametrize(
+    "name, objective", [("distill.yaml", OLD_DISTILL), ("luse_scratch.yaml", OLD_DEFAULT)]
+)
 def test_an_old_config_reads_as_the_shipped_new_one(tmp_path, caplog, name, objective):
     with caplog.at_level(logging.WARNING, logger="pipeline.train.config"):
         old = load_config(Config, old_form(CONFIGS / name, objective, tmp_path))

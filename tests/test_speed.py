@@ -44,8 +44,9 @@ def test_cpus_per_rank_under_torchrun_and_under_srun(monkeypatch):
 
 
 def test_default_yaml_asks_for_the_gpu_settings():
-    cfg = load_config(Config, PROJECT_ROOT / "launch" / "configs" / "default.yaml", {})
-    assert (cfg.train.mixed_precision, cfg.optim.fused, cfg.data.num_workers) == ("auto", "auto", "auto")
+    cfg = load_config(Config, PROJECT_ROOT / "launch" / "configs" / "default.yaml", {})  # the cluster recipe
+    assert (cfg.train.mixed_precision, cfg.optim.fused, cfg.data.num_workers) == ("auto", True, "auto")
+    assert (cfg.train.device, cfg.train.compile, cfg.train.pad_to_multiple_of) == ("cuda", "default", 16)
     assert cfg.train.tf32 is True
     overridden = load_config(
         Config, PROJECT_ROOT / "launch" / "configs" / "default.yaml", {"data.num_workers": 4}

@@ -424,7 +424,7 @@ def build(cfg: Config) -> Trainer:
     if main:
         log.info("[UNK] rate on the evaluation sets: %s", unk_rates)
         metrics.log({"event": "unk_rate", **unk_rates})
-    total = cfg.train.max_steps or cfg.train.epochs * stream.batches_per_epoch
+    total = cfg.train.total_steps(stream.batches_per_epoch)
     optimizer = build_optimizer(cfg.optim, module, setup.fused)
     log.info(
         "data: %d samples in %d blocks, %d global batches of %d per epoch, %d dropped per epoch; %d steps "

@@ -99,10 +99,10 @@ def rank_file_name(rank: int) -> str:
 # Keys whose change does not alter the sequence of parameter updates: where and how often we log,
 # evaluate and save, loader parallelism (the data order is a function of the seed, not of workers), the
 # guard (it changes a run only where a fault would have ended or derailed it),
-# and how long to train (extending max_steps/epochs is the usual reason to resume) -- but the run
+# and how long to train (extending max_steps/max_samples/epochs is the usual reason to resume) -- but the run
 # length is harmless only under a constant learning rate: linear and cosine decay to zero at the last
 # step, so a new horizon changes every learning rate from the resume point on (HORIZON_KEYS).
-HORIZON_KEYS: tuple[str, ...] = ("train.max_steps", "train.epochs")
+HORIZON_KEYS: tuple[str, ...] = ("train.max_steps", "train.max_samples", "train.epochs")
 HARMLESS_KEYS: tuple[str, ...] = (
     "run_dir",
     "resume",
@@ -119,6 +119,7 @@ HARMLESS_KEYS: tuple[str, ...] = (
     "train.debug_dump",
     "train.progress",
     "train.max_steps",
+    "train.max_samples",
     "train.epochs",
     "train.cpu",
     "train.device",
@@ -134,6 +135,7 @@ ADDED_FIELDS: dict[str, Any] = {
     "data.supervised_teacher": None,
     "data.holdout_rows": 0,
     "train.select_on": "sts_b",
+    "train.max_samples": 0,
 }
 
 

@@ -314,8 +314,16 @@ class TrainConfig:
     grad_accum_steps: int = option(
         1, "Micro-batches per optimizer step. Saves memory but does NOT enlarge the negative set."
     )
-    max_steps: int = option(0, "Stop after this many optimizer steps (0 = run `epochs` epochs).")
-    epochs: int = option(1, "Passes over the data when max_steps is 0.")
+    max_steps: int = option(
+        0, "Stop after this many optimizer steps (0 = train.max_samples, or else train.epochs, decides)."
+    )
+    max_samples: int = option(
+        0,
+        "Stop once this many samples (sentences, or pairs of a supervised file) have been trained on: "
+        "ceil(max_samples / global_batch_size) steps, whatever the corpus size (0 = train.epochs "
+        "decides). A length that holds when the global batch changes; not with train.max_steps.",
+    )
+    epochs: int = option(1, "Passes over the data when max_steps and max_samples are 0.")
     mixed_precision: Literal["no", "fp16", "bf16", "auto"] = option(
         "no",
         "Autocast precision (fp16 uses a grad scaler). auto: bf16 on a CUDA GPU that supports it and on a "
@@ -408,8 +416,13 @@ class TrainConfig:
                 f"train.global_batch_size ({self.global_batch_size}) must be divisible by "
                 f"train.grad_accum_steps ({self.grad_accum_steps})"
             )
-        if self.max_steps < 0 or self.epochs < 1:
-            raise ConfigError("train.max_steps must be >= 0 and train.epochs >= 1")
+        if self.max_steps < 0 or self.max_samples < 0 or self.epochs < 1:
+            raise ConfigError("train.max_steps and train.max_samples must be >= 0 and train.epochs >= 1")
+        if self.max_steps and self.max_samples:
+            raise ConfigError(
+                f"train.max_steps ({self.max_steps}) and train.max_samples ({self.max_samples}) both set "
+                "the run's length; set the other to 0"
+            )
         if self.cpu:  # the deprecated flag, read as device=cpu
             if self.device == "cuda":
                 raise ConfigError("train.cpu=true contradicts train.device=cuda; drop train.cpu (deprecated)")
@@ -427,6 +440,15 @@ class TrainConfig:
             raise ConfigError("train.unpadded has no padding to round; set train.pad_to_multiple_of to 0")
         if self.unpadded and self.gradcache_chunk_size:
             raise ConfigError("train.unpadded is not supported with train.gradcache_chunk_size; unset one")
+
+    def total_steps(self, batches_per_epoch: int) -> int:
+        """The run's length in optimizer steps: max_steps, else max_samples in global batches (the last
+        one counted whole), else ``epochs`` passes of ``batches_per_epoch``."""
+        if self.max_steps:
+            return self.max_steps
+        if self.max_samples:
+            return -(-self.max_samples // self.global_batch_size)
+        return self.epochs * batches_per_epoch
 
 
 def term_fields(term: Any) -> str:
