@@ -43,7 +43,7 @@ from pipeline.config import option
 from pipeline.distributed import all_gather_no_grad, all_gather_with_grad, rank
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.terms import VIEWS, Lent, Needs, Rows, Term
+from pipeline.losses.terms import LossTerm, Needs, Rows
 
 if TYPE_CHECKING:
     from pipeline.data.collate import Batch
@@ -145,36 +145,39 @@ class PairsConfig:
             raise ConfigError("pairs.temperature must be > 0 (try 0.05)")
 
 
-def _term_loss(c: PairsConfig, rows: Rows, batch: Batch, lent: Lent) -> torch.Tensor:
-    views = rows.views  # (2, B, H) anchor, positive
-    if views.shape[0] != 2:
-        raise ValueError(f"pairs: views must be (2, B, H) (anchor, positive), got {tuple(views.shape)}")
-    if batch.groups is None:
-        raise ValueError("pairs: the batch carries no group ids (batches of pair shards do)")
-    if c.same_text and (batch.text_hashes is None or batch.positive_text_hashes is None):
-        raise ValueError("pairs.same_text: the batch carries no text hashes of both sides")
-    hashes: Any = batch.text_hashes if c.same_text else None
-    return compute_loss(
-        views[0],
-        views[1],
-        c.temperature,
-        c.symmetric,
-        gather=rows.gather,
-        groups=batch.groups,
-        anchor_hashes=hashes,
-        positive_hashes=batch.positive_text_hashes if hashes is not None else None,
-        counts=rows.counts,
-    )
+class Pairs(LossTerm):
+    """InfoNCE over structure pairs, both directions, group-masked in-batch negatives (pair shards)"""
 
+    name = "pairs"
+    config_class = PairsConfig
+    data = "pair_shards"
 
-TERM = Term(
-    name="pairs",
-    summary="InfoNCE over structure pairs, both directions, group-masked in-batch negatives (pair shards)",
-    config=PairsConfig,
-    loss=_term_loss,
-    reads=lambda c: frozenset({VIEWS}),
-    part="contrastive",
-    data="pair_shards",
-    num_views=lambda k, d: 2,  # anchor, positive
-    needs=lambda c: Needs(text_hashes=c.same_text),  # both sides' hashes, hashed in the loader workers
-)
+    @classmethod
+    def num_views(cls, num_variants: int, num_dropout_views: int) -> int:
+        return 2  # anchor, positive
+
+    @classmethod
+    def needs(cls, config: PairsConfig) -> Needs:
+        return Needs(text_hashes=config.same_text)  # both sides' hashes, hashed in the loader workers
+
+    def forward(self, rows: Rows, batch: Batch) -> torch.Tensor:
+        c: PairsConfig = self.config
+        views = rows.views  # (2, B, H) anchor, positive
+        if views.shape[0] != 2:
+            raise ValueError(f"pairs: views must be (2, B, H) (anchor, positive), got {tuple(views.shape)}")
+        if batch.groups is None:
+            raise ValueError("pairs: the batch carries no group ids (batches of pair shards do)")
+        if c.same_text and (batch.text_hashes is None or batch.positive_text_hashes is None):
+            raise ValueError("pairs.same_text: the batch carries no text hashes of both sides")
+        hashes: Any = batch.text_hashes if c.same_text else None
+        return compute_loss(
+            views[0],
+            views[1],
+            c.temperature,
+            c.symmetric,
+            gather=rows.gather,
+            groups=batch.groups,
+            anchor_hashes=hashes,
+            positive_hashes=batch.positive_text_hashes if hashes is not None else None,
+            counts=rows.counts,
+        )
