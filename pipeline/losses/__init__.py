@@ -18,9 +18,11 @@ distill      teacher       student (B, D_t) (projected originals), teacher (B, D
 kl           teacher       student (B, H), teacher (B, D_t), temperatures, queue + teacher queue
 mlm          MLM logits    logits (B, L, V), labels (B, L) (-100 where not masked)
 matryoshka   its terms'    the run's terms (``of``) on re-normalised prefixes (dims, weights)
+pairs        views         anchor, positive: (B, H) each, temperature, groups, hashes, listed hard
+                           negatives (m, B, H) with their mask
 ===========  ============  =========================================================================
 
-luse, luse_bce and simcse read the unsupervised shards; sup_simcse reads
+luse, luse_bce and simcse read the unsupervised shards, pairs (and luse) pair shards; sup_simcse reads
 :func:`pipeline.data.pairs.read_triples`, cosent and sbert :func:`pipeline.data.pairs.read_pairs`. See
 docs/objectives.md.
 """

@@ -93,6 +93,7 @@ def compute_loss(
     project: Callable[[torch.Tensor], torch.Tensor] | None = None,
     guide: Guide | None = None,
     counts: dict[str, torch.Tensor] | None = None,
+    hard_negative_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Multi-positive listwise loss over (n_views, B, H) L2-normalised embeddings.
 
@@ -109,6 +110,8 @@ def compute_loss(
         guide: ids / text hashes / teacher vectors of the sentences and the queue: candidates that match
             the anchor's are masked (false negatives); gathered across ranks (collectives).
         counts: filled with ``false_negatives``, the number of (anchor, candidate) pairs masked (float).
+        hard_negative_mask: (B, m) bool, the slots of ``hard_negatives`` that hold a negative (pair shards
+            whose pairs list fewer than m); the others leave every softmax. None: all of them.
 
     Returns:
         A scalar, the mean over the n_views * B_local local anchors.
@@ -154,7 +157,12 @@ def compute_loss(
         m = hard_negatives.shape[0]
         negatives = at_least_float32(hard_negatives.reshape(m * batch, dim))  # (m * B, H)
         negatives = all_gather_with_grad(negatives) if gather else negatives  # (W * m * B, H)
-        columns.append(anchors @ negatives.T / temperature)  # (n * B, W * m * B)
+        negative_logits = anchors @ negatives.T / temperature  # (n * B, W * m * B)
+        if hard_negative_mask is not None:  # a user's pairs: the slots a pair leaves empty
+            listed = hard_negative_mask.to(device).T.reshape(-1)  # (m * B,) in the negatives' order
+            listed = all_gather_no_grad(listed) if gather else listed  # (W * m * B,)
+            negative_logits = negative_logits.masked_fill(~listed[None, :], float("-inf"))
+        columns.append(negative_logits)
     teacher_start = sum(c.shape[1] for c in columns)
     if teacher is not None:
         t = F.normalize(teacher.to(anchors.dtype), dim=-1)  # (B, D_t)
@@ -349,6 +357,7 @@ class Luse(LossTerm):
             project=rows.head,
             guide=guide_of(c.false_negatives, batch, views.shape[0], lent.queue, lent.teacher_queue),
             counts=rows.counts,
+            hard_negative_mask=batch.hard_negative_mask,  # (B, m) a user's pairs; else None
         )
 
     def after_micro_batch(self, rows: torch.Tensor, inputs: dict[str, torch.Tensor], batch: Any,

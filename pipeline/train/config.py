@@ -508,7 +508,7 @@ class Config:
             )
         if d.num_hard_negatives and not loss.reads(HARD_NEGATIVES):
             raise ConfigError(
-                "no loss term takes hard negatives (luse does); set data.num_hard_negatives to 0"
+                "no loss term takes hard negatives (luse and pairs do); set data.num_hard_negatives to 0"
             )
         if loss.reads(MLM_LOGITS) and t.gradcache_chunk_size:
             raise ConfigError(
