@@ -203,6 +203,7 @@ def test_bad_rows_of_columns_files_name_their_line(tmp_path):
         ("scored.tsv", "sentence1\tsentence2\tlabel\n甲\t乙\t1\n", {}, "has a label column; pass"),
         ("flag.csv", "query,pos\n甲,乙\n", {"fmt": "flag"}, "--format flag reads JSON lines"),
         ("empty.csv", "", {}, "empty; a CSV/TSV pair file's first row names its columns"),
+        ("huge.csv", "query,answer\n甲," + "长" * 140_000 + "\n", {}, r":2: not readable as delimited text"),
     ],
 )
 def test_a_file_the_stage_cannot_read_is_one_line_naming_it(tmp_path, name, body, options, said):

@@ -222,22 +222,25 @@ def _delimited_rows(path: Path, delimiter: str) -> Iterator[tuple[str, Any]]:
         text = io.TextIOWrapper(handle, encoding="utf-8-sig", errors="surrogateescape", newline="")
         reader = csv.reader(text, delimiter=delimiter)
         header: list[str] | None = None
-        for fields in reader:
-            where = f"{path}:{reader.line_num}"
-            if header is None:
-                header = [f.strip() for f in fields]
-                continue
-            if not fields or all(not f.strip() for f in fields):
-                yield where, None
-                continue
-            if any(_has_surrogate(f) for f in fields):
-                yield where, BadRecord("invalid_utf8", "not UTF-8 text")
-                continue
-            if len(fields) != len(header):
-                problem = f"{len(fields)} fields for the header's {len(header)} ({', '.join(header)})"
-                yield where, BadRecord("wrong_columns", problem)
-                continue
-            yield where, _Row(header, dict(zip(header, fields)))
+        try:
+            for fields in reader:
+                where = f"{path}:{reader.line_num}"
+                if header is None:
+                    header = [f.strip() for f in fields]
+                    continue
+                if not fields or all(not f.strip() for f in fields):
+                    yield where, None
+                    continue
+                if any(_has_surrogate(f) for f in fields):
+                    yield where, BadRecord("invalid_utf8", "not UTF-8 text")
+                    continue
+                if len(fields) != len(header):
+                    problem = f"{len(fields)} fields for the header's {len(header)} ({', '.join(header)})"
+                    yield where, BadRecord("wrong_columns", problem)
+                    continue
+                yield where, _Row(header, dict(zip(header, fields)))
+        except csv.Error as exc:  # a NUL byte, a field over the csv module's limit: the rest is unreadable
+            raise InputError(f"{path}:{reader.line_num}: not readable as delimited text ({exc})") from None
         if header is None:
             raise InputError(f"{path}: empty; a CSV/TSV pair file's first row names its columns")
 

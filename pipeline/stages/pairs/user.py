@@ -63,7 +63,8 @@ EXAMPLES = 3
 CORPUS_ONLY = (
     "work_dir", "phase", "input_format", "to_simplified", "near_duplicates", "num_partitions",
     "plain_neighbours", "min_anchor_chars", "max_anchor_chars", "min_positive_chars", "max_positive_chars",
-    "lead_chars", "min_cjk_ratio", "easy_prefix_ratio", "easy_jaccard", "num_tasks",
+    "lead_chars", "min_cjk_ratio", "easy_prefix_ratio", "easy_jaccard", "workers", "task_index", "num_tasks",
+    "finalize_only", "chunk_bytes", "max_record_bytes",
 )  # fmt: skip
 
 
