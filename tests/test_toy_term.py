@@ -20,9 +20,16 @@ def registered(monkeypatch):
     monkeypatch.setitem(TERMS, Uniformity.name, Uniformity)  # the one registry line
 
 
-def test_without_its_registry_line_the_term_is_unknown():
+def test_without_its_registry_line_the_term_is_unknown_and_a_term_must_say_its_name():
     with pytest.raises(ConfigError, match="unknown term 'uniformity'"):
         build_loss([{"luse": {}}, {"uniformity": {}}])
+    from pipeline.losses.terms import LossTerm
+
+    with pytest.raises(TypeError, match="loss term .*Nameless sets no name and no config_class"):
+
+        class Nameless(LossTerm):
+            def forward(self, rows, batch):
+                return rows.views.sum()
 
 
 def test_the_toy_term_parses_and_computes_its_formula(registered):

@@ -197,6 +197,14 @@ class LossTerm(nn.Module):
     # shortened rows, :attr:`Rows.prefix`, is its value there; pipeline/losses/matryoshka.py).
     prefix_refusal: ClassVar[str | None] = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        missing = [name for name in ("name", "config_class") if not hasattr(cls, name)]
+        if missing:  # a term the registry could not key or parse: said where it is defined, not later
+            raise TypeError(
+                f"loss term {cls.__qualname__} sets no {' and no '.join(missing)} (class attributes)"
+            )
+
     @classmethod
     def summary(cls) -> str:
         """Its one line for ``--help`` and the docs: the first paragraph of the class docstring."""
