@@ -10,7 +10,7 @@ from _tensors import unit
 from _terms import evaluate
 
 from pipeline.errors import ConfigError, InputError
-from pipeline.losses import build_loss, distill, multi_positive
+from pipeline.losses import build_loss, distill, kl, multi_positive
 
 TAU = 0.05
 
@@ -45,15 +45,15 @@ def kl_literal(s, t, tau_s, tau_t, queue=None, teacher_queue=None):
 
 def test_kl_loss_literal_with_and_without_queue():
     s, t = unit(5, 6), unit(5, 9, seed=1)  # the teacher may be wider: KL compares distributions
-    got = distill.kl_loss(s, t, 0.07, 0.05, gather=False)
+    got = kl.kl_loss(s, t, 0.07, 0.05, gather=False)
     assert got.item() == pytest.approx(kl_literal(s, t, 0.07, 0.05), rel=1e-9)
     q, tq = unit(3, 6, seed=2), unit(3, 9, seed=3)
-    got = distill.kl_loss(s, t, 0.05, 0.05, queue=q, teacher_queue=tq, gather=False)
+    got = kl.kl_loss(s, t, 0.05, 0.05, queue=q, teacher_queue=tq, gather=False)
     assert got.item() == pytest.approx(kl_literal(s, t, 0.05, 0.05, q, tq), rel=1e-9)
     # the student reproducing the teacher's similarities exactly: KL 0
-    assert distill.kl_loss(t, t, 0.05, 0.05, gather=False).item() == pytest.approx(0.0, abs=1e-9)
+    assert kl.kl_loss(t, t, 0.05, 0.05, gather=False).item() == pytest.approx(0.0, abs=1e-9)
     with pytest.raises(ValueError, match="together"):
-        distill.kl_loss(s, t, queue=q, gather=False)
+        kl.kl_loss(s, t, queue=q, gather=False)
 
 
 def luse_literal(views, tau, teacher=None, hard=None, queue=None, project=None):
@@ -122,7 +122,7 @@ def test_objective_weights_parts_and_needs_a_teacher():
     assert set(parts) == {"loss", "contrastive", "distill", "kl"}
     torch.testing.assert_close(parts["contrastive"], multi_positive.compute_loss(views, 0.05, gather=False))
     torch.testing.assert_close(parts["distill"], distill.embedding_loss(views[0], teacher))
-    torch.testing.assert_close(parts["kl"], distill.kl_loss(views[0], teacher, gather=False))
+    torch.testing.assert_close(parts["kl"], kl.kl_loss(views[0], teacher, gather=False))
     expected = 0.5 * parts["contrastive"] + 2.0 * parts["distill"] + 0.3 * parts["kl"]
     torch.testing.assert_close(parts["loss"], expected)
     with pytest.raises(InputError, match="no teacher embeddings"):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from _gloo import spawn_ranks
 
 from pipeline import distributed
-from pipeline.losses import cosent, distill, multi_positive, pairwise_bce, simcse, sup_simcse
+from pipeline.losses import cosent, kl, multi_positive, pairwise_bce, simcse, sup_simcse
 from pipeline.losses.false_negatives import Guide
 from pipeline.losses.queue import NegativeQueue
 
@@ -93,7 +93,7 @@ CASES = {
     ),
     "cosent": (lambda x, gather: cosent.compute_loss(x["u"], x["v"], x["labels"], gather=gather), ["u", "v"]),
     "kl_queue": (
-        lambda x, gather: distill.kl_loss(
+        lambda x, gather: kl.kl_loss(
             x["views"][0], x["teacher"], 0.07, TAU, x["queue"], x["teacher_queue"], gather=gather
         ),
         ["views"],

@@ -191,7 +191,8 @@ def test_luse_lends_its_queue_to_kl_and_matryoshka_holds_the_built_terms():
     import torch.nn.functional as F
 
     from pipeline.data.collate import Batch
-    from pipeline.losses import build_loss, distill
+    from pipeline.losses import build_loss
+    from pipeline.losses.kl import kl_loss
     from pipeline.losses.terms import Rows, TermContext, TrainLoss
 
     plan = build_loss([{"luse": {"queue_size": 8}}, {"kl": {}, "weight": 0.5}, {"matryoshka": {"dims": [2]}}])
@@ -207,7 +208,7 @@ def test_luse_lends_its_queue_to_kl_and_matryoshka_holds_the_built_terms():
     rows = Rows.of(views.reshape(6, 4), batch, None)
     loss.after_micro_batch(views.reshape(6, 4), {}, batch)  # luse's keys and kl's teacher rows, row for row
     out = loss.compute(rows, batch)
-    expected = distill.kl_loss(
+    expected = kl_loss(
         views[0], batch.teacher, queue=views[0], teacher_queue=batch.teacher, gather=False
     )
     torch.testing.assert_close(out.parts["kl"], expected)

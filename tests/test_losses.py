@@ -10,6 +10,7 @@ from _tensors import leaf, unit
 from pipeline.errors import ConfigError
 from pipeline.losses import (
     TERMS,
+    LossTerm,
     build_loss,
     cosent,
     multi_positive,
@@ -298,8 +299,9 @@ def test_registry_names_inputs_and_unknown_name():
     assert main == {"luse", "simcse", "sup_simcse", "cosent", "sbert", "luse_bce", "pairs"}
     assert set(TERMS) - main == {"distill", "kl", "mlm", "matryoshka"}
     luse, cosent = TERMS["luse"], TERMS["cosent"]
-    assert "views" in luse.reads(luse.config()) and cosent.reads(cosent.config()) == {"pairs", "labels"}
-    assert all(callable(t.loss) for t in TERMS.values())
-    assert [n for n, t in TERMS.items() if "queue" in t.reads(t.config()) and t.data] == ["luse"]
+    assert "views" in luse.reads(luse.config_class())
+    assert cosent.reads(cosent.config_class()) == {"pairs", "labels"}
+    assert all(issubclass(t, LossTerm) and t.forward is not LossTerm.forward for t in TERMS.values())
+    assert [n for n, t in TERMS.items() if "queue" in t.reads(t.config_class()) and t.data] == ["luse"]
     with pytest.raises(ConfigError, match="one of luse"):
         build_loss([{"simcsee": {}}])

@@ -76,9 +76,11 @@ def build_stream(
     if plan.pairs:  # pair shards: anchors then positives (docs/pairs.md)
         blocks = shard_blocks(plan.shard_set, d.verify_shards, rank)
         # with teacher_positive: distill reads both
+        # luse on pairs: d dropout re-encodings of the anchors; a user's pairs: their listed negatives
         collate = PairShardCollator(
-            tokenizer, d.max_length, prefix, plan.teacher, plan.text_hashes, plan.num_dropout_views
-        )  # luse on pairs: d dropout re-encodings of the anchors
+            tokenizer, d.max_length, prefix, plan.teacher, plan.text_hashes, plan.num_dropout_views,
+            plan.num_hard_negatives,
+        )  # fmt: skip
         source: Any = ShardSource(blocks, collate.columns)
         order = pair_order(d, plan.shard_set, blocks)
     elif plan.shard_set is not None:

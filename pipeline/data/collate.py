@@ -72,6 +72,10 @@ class Batch:
     groups: torch.Tensor | None = _per_sentence()  # (B,) int64 pair groups (pair shards)
     teacher_positive: torch.Tensor | None = _per_sentence()  # (B, D_t) the positives' teacher rows
     positive_text_hashes: torch.Tensor | None = _per_sentence()  # (B,) int64 the positives' text hashes
+    # Pair shards with listed negatives: which of the m slots hold one (a pair lists fewer: the slot's row is
+    # a filler the terms leave out), and their texts' hashes (with text_hashes)
+    hard_negative_mask: torch.Tensor | None = _per_sentence()  # (B, m) bool
+    hard_negative_text_hashes: torch.Tensor | None = _per_sentence()  # (B, m) int64
     epoch: int | None = _scalar()  # where the stream took it: the epoch and the batch's index in it
     batch: int | None = _scalar()
     position_ids: torch.Tensor | None = _optional_rows()  # unpadded: (T,) int64, each token's position
@@ -470,6 +474,12 @@ class PairShardCollator:
 
     With ``dropout_views`` d (luse on pairs) the anchors' tokens follow again d times, rows (2 + j) B + i
     (``num_views`` 2 + d): dropout makes their encodings differ, as :class:`ViewCollator`'s dropout views.
+
+    With ``num_hard_negatives`` m (a user's pairs with listed negatives, ``pipeline pairs --format``) the
+    first m of each pair's ``hard_negatives`` follow the views, row (2 + d + j) B + i negative j of pair i
+    (``batch.num_hard_negatives`` m). A pair that lists fewer fills its other slots with an empty text, and
+    ``batch.hard_negative_mask`` (B, m) says which slots hold a listed negative (the terms leave the others
+    out); with ``hash_texts`` ``batch.hard_negative_text_hashes`` (B, m) hashes them.
     """
 
     def __init__(
@@ -480,18 +490,25 @@ class PairShardCollator:
         teacher: bool = False,
         hash_texts: bool = False,
         dropout_views: int = 0,
+        num_hard_negatives: int = 0,
     ):
         self.encode = FastEncoder(tokenizer, max_length, prefix)
-        self.teacher, self.hash_texts, self.d = teacher, hash_texts, dropout_views
-        self.columns = ("id", "text", "positive", "group") + ("teacher", "teacher_positive") * teacher
+        self.teacher, self.hash_texts, self.d, self.m = teacher, hash_texts, dropout_views, num_hard_negatives
+        self.columns = (
+            ("id", "text", "positive", "group")
+            + ("teacher", "teacher_positive") * teacher
+            + ("hard_negatives",) * (num_hard_negatives > 0)
+        )
 
     def __call__(self, rows: dict[str, list[Any]]) -> Batch:
         anchors, positives = rows["text"], rows["positive"]
-        ids, mask = self.encode(list(anchors) + list(positives))  # (2B, L)
-        if self.d:  # dropout views: the anchors' tokens again
-            b = len(anchors)
-            ids = torch.cat([ids, ids[:b].repeat(self.d, 1)])  # ((2 + d) B, L)
-            mask = torch.cat([mask, mask[:b].repeat(self.d, 1)])
+        b = len(anchors)
+        listed = [list(n[: self.m]) for n in rows["hard_negatives"]] if self.m else []
+        by_slot = [n[j] if j < len(n) else "" for j in range(self.m) for n in listed]  # (m * B,) view-major
+        ids, mask = self.encode(list(anchors) + list(positives) + by_slot)  # ((2 + m) B, L)
+        if self.d:  # dropout views: the anchors' tokens again, before the negatives
+            ids = torch.cat([ids[: 2 * b], ids[:b].repeat(self.d, 1), ids[2 * b :]])  # ((2 + d + m) B, L)
+            mask = torch.cat([mask[: 2 * b], mask[:b].repeat(self.d, 1), mask[2 * b :]])
         out = {
             "ids": torch.tensor(np.asarray(rows["id"], dtype=np.uint64).view(np.int64)),
             "groups": torch.tensor(np.asarray(rows["group"], dtype=np.uint64).view(np.int64)),
@@ -505,4 +522,11 @@ class PairShardCollator:
         if self.hash_texts:
             out["text_hashes"] = text_hashes(anchors)  # (B,) int64
             out["positive_text_hashes"] = text_hashes(positives)  # (B,) int64
+        if self.m:
+            out["num_hard_negatives"] = self.m
+            counts = torch.tensor([len(n) for n in listed])  # (B,)
+            out["hard_negative_mask"] = torch.arange(self.m)[None, :] < counts[:, None]  # (B, m)
+            if self.hash_texts:
+                hashes = text_hashes(by_slot).view(self.m, b)  # (m, B)
+                out["hard_negative_text_hashes"] = hashes.T.contiguous()  # (B, m)
         return Batch(**out)

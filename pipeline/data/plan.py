@@ -26,7 +26,7 @@ from pipeline.data.labelled import PairTeacher, read_pair_teacher
 from pipeline.data.sources import pair_batches, pair_dropout_views, refuse_pair_options
 from pipeline.data.token_ids import ids_usable
 from pipeline.errors import ConfigError
-from pipeline.shards import MANIFEST, ShardSet
+from pipeline.shards import MANIFEST, ShardSet, iter_blocks
 from pipeline.vectors import describe, matches, stored_dtype
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,10 @@ def plan_batches(
             f"{shard_set.num_variants} or re-run augment with more variants"
         )
     refuse_pair_options(d, pairs)  # data.one_source_per_batch and pair_max_rank need pair shards
-    teacher, teacher_dim = resolve_teacher(d, columns.teacher, shard_set)
+    if pairs and d.num_hard_negatives:  # a user's pairs list their own; the teacher stage mines none
+        check_listed_negatives(d, shard_set)
+    mined = 0 if pairs else d.num_hard_negatives
+    teacher, teacher_dim = resolve_teacher(d, columns.teacher, shard_set, mined)
     refuse_holdout(d, teacher, pairs)
     if variants and d.num_variants + d.num_dropout_views < 1 and not loss.needs.teacher_positive:
         raise ConfigError(  # on pair shards the partner is a positive (config.py checks the other terms)
@@ -109,6 +112,21 @@ def plan_batches(
         pairs=pairs,
         mlm_probability=columns.mlm_probability,
     )
+
+
+def check_listed_negatives(d: Any, shard_set: ShardSet) -> None:
+    """``data.num_hard_negatives`` on pair shards: their rows must list negatives (``pipeline pairs
+    --format flag|columns`` over files with negatives; the teacher stage keeps the column). Read from the
+    first block's columns: one block, whatever the size of the set."""
+    first = shard_set.manifest["shards"][0]["name"] if shard_set.manifest.get("shards") else None
+    columns = next((t.column_names for _, t in iter_blocks(shard_set.directory / first)), []) if first else []
+    if "hard_negatives" not in columns:
+        raise ConfigError(
+            f"data.num_hard_negatives={d.num_hard_negatives} but the pairs in {d.shards} list no hard "
+            "negatives; convert pairs that list them (`python -m pipeline pairs --format flag|columns "
+            "FILES`: FlagEmbedding's neg, or negative columns; docs/pairs.md, 'Your own pairs'), or set it "
+            "to 0"
+        )
 
 
 def check_pair_teacher(d: Any) -> PairTeacher:
@@ -169,15 +187,19 @@ def recorded_teacher(
     return teacher
 
 
-def resolve_teacher(d: Any, read: bool, shard_set: ShardSet) -> tuple[bool, int | None]:
+def resolve_teacher(
+    d: Any, read: bool, shard_set: ShardSet, mined: int | None = None
+) -> tuple[bool, int | None]:
     """(whether batches carry the teacher's vectors, the teacher's width from the manifest).
 
     They carry them when ``data.teacher`` names the shards' teacher, or when a loss term reads teacher
     vectors (``read``, :attr:`~pipeline.losses.terms.Columns.teacher`) and the shards hold some (logged).
     A term that reads them from shards without any is refused here rather than at the first step.
-    ``data.teacher_dim``, when set, must equal the recorded width.
+    ``data.teacher_dim``, when set, must equal the recorded width. ``mined``: the hard negatives per
+    sentence the teacher stage must have mined (default ``data.num_hard_negatives``; 0 on pair shards).
     """
-    recorded = recorded_teacher(shard_set, d.teacher, d.num_hard_negatives)
+    mined = d.num_hard_negatives if mined is None else mined
+    recorded = recorded_teacher(shard_set, d.teacher, mined)
     width = None if recorded is None or recorded.get("dim") is None else int(recorded["dim"])
     manifest = shard_set.directory / MANIFEST
     if d.teacher_dim and d.teacher_dim != width:

@@ -1,10 +1,10 @@
 """Pair shards as training data (docs/pairs.md, "Training on pairs").
 
 :func:`pair_batches` decides, from the loss and the shard set's manifest, whether a run's batches are
-pairs (anchor, positive): with the ``pairs`` term, with ``luse`` (a sentence-shard term that declares
-``pair_views``: its views of a pair are the anchor, the positive and :func:`pair_dropout_views`
-re-encodings of the anchor), or with no main term (distillation alone) over pair shards, which then
-distils both sides.
+pairs (anchor, positive): with the ``pairs`` term, with ``luse`` (a sentence-shard term that
+:attr:`~pipeline.losses.terms.LossTerm.trains_on_pairs`: its views of a pair are the anchor, the positive
+and :func:`pair_dropout_views` re-encodings of the anchor), or with no main term (distillation alone)
+over pair shards, which then distils both sides.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def pair_batches(loss: Any, shard_set: ShardSet | None) -> bool:
             f"(stage {shard_set.stage}); point data.shards to the output of `pipeline pairs` (or of "
             "`pipeline teacher` over it)"
         )
-    if pairs and loss.main is not None and loss.data != "pair_shards" and loss.main.pair_views is None:
+    if pairs and loss.main is not None and loss.data != "pair_shards" and not loss.main.trains_on_pairs:
         raise ConfigError(
             f"{shard_set.directory} holds pairs (`pipeline pairs`); loss term {loss.main.name} reads "
             "sentence shards: use the pairs or luse term, or distill/kl alone (docs/pairs.md, 'Training on "
@@ -41,11 +41,11 @@ def pair_batches(loss: Any, shard_set: ShardSet | None) -> bool:
 
 def pair_dropout_views(loss: Any, data: Any) -> int:
     """d: the dropout re-encodings of the anchor a batch of pair shards carries after (anchor, positive):
-    ``data.num_dropout_views`` for a main term with ``pair_views`` (luse), else 0. Pair shards cache no EDA
+    ``data.num_dropout_views`` for a main term that trains on pairs (luse), else 0. Pair shards cache no EDA
     variants: such a term with ``data.num_variants`` > 0 is a ConfigError, as is an option of the term
     that does not apply to pairs (the term's ``pair_views`` says)."""
     main = loss.main
-    if main is None or main.pair_views is None:
+    if main is None or not main.trains_on_pairs:
         return 0
     if data.num_variants:
         raise ConfigError(

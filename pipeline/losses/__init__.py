@@ -1,7 +1,8 @@
 """The terms of the training loss, one formula per file, each with ``compute_loss(...)`` separate from
 encoding and its small config dataclass beside it (pipeline/losses/terms.py: how terms compose).
 
-``TERMS`` is the registry, the one list of term names: name -> :class:`Term`.
+``TERMS`` is the registry, the one list of terms: name -> its :class:`~pipeline.losses.terms.LossTerm`
+class. A new term is a new file (one class) and one line in the tuple below.
 
 ===========  ============  =========================================================================
 term         reads         compute_loss arguments (all embeddings L2-normalised)
@@ -17,9 +18,11 @@ distill      teacher       student (B, D_t) (projected originals), teacher (B, D
 kl           teacher       student (B, H), teacher (B, D_t), temperatures, queue + teacher queue
 mlm          MLM logits    logits (B, L, V), labels (B, L) (-100 where not masked)
 matryoshka   its terms'    the run's terms (``of``) on re-normalised prefixes (dims, weights)
+pairs        views         anchor, positive: (B, H) each, temperature, groups, hashes, listed hard
+                           negatives (m, B, H) with their mask
 ===========  ============  =========================================================================
 
-luse, luse_bce and simcse read the unsupervised shards; sup_simcse reads
+luse, luse_bce and simcse read the unsupervised shards, pairs (and luse) pair shards; sup_simcse reads
 :func:`pipeline.data.pairs.read_triples`, cosent and sbert :func:`pipeline.data.pairs.read_pairs`. See
 docs/objectives.md.
 """
@@ -28,35 +31,34 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.losses import (
-    cosent,
-    distill,
-    matryoshka,
-    mlm,
-    multi_positive,
-    pairs,
-    pairwise_bce,
-    sbert_softmax,
-    simcse,
-    sup_simcse,
-)
+from pipeline.losses.cosent import CoSENT
+from pipeline.losses.distill import Distill
+from pipeline.losses.kl import KL
 from pipeline.losses.legacy import convert_objective, split_objective
-from pipeline.losses.terms import Loss, Needs, Rows, Term, WeightedTerm, parse_terms
+from pipeline.losses.matryoshka import Matryoshka
+from pipeline.losses.mlm import MLM
+from pipeline.losses.multi_positive import Luse
+from pipeline.losses.pairs import Pairs
+from pipeline.losses.pairwise_bce import PairwiseBCE
+from pipeline.losses.sbert_softmax import SbertSoftmax
+from pipeline.losses.simcse import SimCSE
+from pipeline.losses.sup_simcse import SupSimCSE
+from pipeline.losses.terms import Loss, LossTerm, Needs, Rows, WeightedTerm, parse_terms
 
-TERMS: dict[str, Term] = {
+TERMS: dict[str, type[LossTerm]] = {
     t.name: t
     for t in (
-        multi_positive.TERM,
-        simcse.TERM,
-        sup_simcse.TERM,
-        cosent.TERM,
-        sbert_softmax.TERM,
-        pairwise_bce.TERM,
-        distill.DISTILL,
-        distill.KL,
-        mlm.TERM,
-        matryoshka.TERM,
-        pairs.TERM,
+        Luse,
+        SimCSE,
+        SupSimCSE,
+        CoSENT,
+        SbertSoftmax,
+        PairwiseBCE,
+        Distill,
+        KL,
+        MLM,
+        Matryoshka,
+        Pairs,
     )
 }
 DEFAULT_LOSS: list[dict[str, Any]] = [{"luse": {}, "weight": 1.0}]  # a run's loss when its config sets none
@@ -73,7 +75,7 @@ def trained_loss(config: dict[str, Any]) -> dict[str, Any]:
 
     ``loss``: the terms as one line (``distill (loss: cosine)``, ``luse (...) + 0.1 x mlm (...)``);
     ``terms``: their names; ``objective``, ``temperature``: the main term's (None without one); ``rows``,
-    ``cite`` and ``prefix_dims``: what the terms say of themselves (:attr:`Term.describe`): card rows
+    ``cite`` and ``prefix_dims``: what the terms say of themselves (:meth:`LossTerm.describe`): card rows
     (a queue's size, a momentum), citation keys, the widths a matryoshka term trained (None: none);
     ``queue_size``, ``momentum``: a term's negative queue and momentum (None without one).
     A config of an earlier version (an ``objective:`` section) is read as training
@@ -106,4 +108,4 @@ def trained_loss(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-__all__ = ["TERMS", "Loss", "Needs", "Rows", "Term", "WeightedTerm", "build_loss", "trained_loss"]
+__all__ = ["TERMS", "Loss", "LossTerm", "Needs", "Rows", "WeightedTerm", "build_loss", "trained_loss"]

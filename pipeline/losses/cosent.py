@@ -17,6 +17,7 @@ single-process one over the concatenated batch. With ``gather=False`` each rank 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,10 @@ import torch.nn.functional as F
 from pipeline.config import option
 from pipeline.distributed import all_gather_no_grad, all_gather_with_grad
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.terms import LABELS, PAIRS, Term
+from pipeline.losses.terms import LABELS, PAIRS, LossTerm, Rows
+
+if TYPE_CHECKING:
+    from pipeline.data.collate import Batch
 
 
 def compute_loss(
@@ -59,16 +63,26 @@ class CosentConfig:
     scale: float = option(20.0, "lambda, the scale of cosine differences (20 = a temperature of 0.05).")
 
 
-TERM = Term(
-    name="cosent",
-    summary="CoSENT ranking of scored pairs (pairs file)",
-    config=CosentConfig,
-    # views (2, B, H): the two sides u, v; labels (B,) float scores
-    loss=lambda c, rows, batch, lent: compute_loss(*rows.views, batch.labels, c.scale, gather=rows.gather),
-    reads=lambda c: frozenset({PAIRS, LABELS}),
-    part="contrastive",
-    data="pairs",
-    num_views=lambda k, d: 2,
-    label_dtype=torch.float32,
-    describe=lambda fields: {"cite": ["cosent"]},  # the model card cites its paper
-)
+class CoSENT(LossTerm):
+    """CoSENT ranking of scored pairs (pairs file)"""
+
+    name = "cosent"
+    config_class = CosentConfig
+    data = "pairs"
+    label_dtype = torch.float32
+
+    @classmethod
+    def reads(cls, config: Any) -> frozenset[str]:
+        return frozenset({PAIRS, LABELS})
+
+    @classmethod
+    def num_views(cls, num_variants: int, num_dropout_views: int) -> int:
+        return 2  # the two sides u, v
+
+    @classmethod
+    def describe(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        return {"cite": ["cosent"]}  # the model card cites its paper
+
+    def forward(self, rows: Rows, batch: Batch) -> torch.Tensor:
+        u, v = rows.views  # (2, B, H); labels (B,) float scores
+        return compute_loss(u, v, batch.labels, self.config.scale, gather=rows.gather)

@@ -26,7 +26,7 @@ import yaml
 
 from pipeline.config import option
 from pipeline.errors import ConfigError
-from pipeline.losses.terms import Term
+from pipeline.losses.terms import LossTerm
 
 SECTION = "objective"
 log = logging.getLogger(__name__)
@@ -83,7 +83,11 @@ def split_objective(config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
 
 
 def convert_objective(
-    entries: list[dict[str, Any]], given: dict[str, Any], registry: dict[str, Term], *, warn: bool = True
+    entries: list[dict[str, Any]],
+    given: dict[str, Any],
+    registry: dict[str, type[LossTerm]],
+    *,
+    warn: bool = True,
 ) -> tuple[list[dict[str, Any]], int | None]:
     """``(loss entries, data.teacher_dim or None)`` after the set fields ``given`` of an ``objective:``
     section, logging one deprecation line with the new form (``warn``); a field that cannot be read
@@ -101,7 +105,7 @@ def convert_objective(
 
 
 def apply_legacy_objective(
-    entries: list[dict[str, Any]], legacy: dict[str, Any], registry: dict[str, Term]
+    entries: list[dict[str, Any]], legacy: dict[str, Any], registry: dict[str, type[LossTerm]]
 ) -> list[dict[str, Any]]:
     """The ``loss`` entries after the set fields of the deprecated ``objective`` section.
 
@@ -150,7 +154,8 @@ def apply_legacy_objective(
         if value is None:
             continue
         target = slots.get(slot)
-        fields = {f.name for f in dataclasses.fields(registry[target["name"]].config)} if target else set()
+        config_class = registry[target["name"]].config_class if target else None
+        fields = {f.name for f in dataclasses.fields(config_class)} if config_class else set()
         if field in fields:
             target["fields"][field] = value
         elif key in STRICT and value:

@@ -5,7 +5,7 @@ embedding of their own (stored and searched at k/H of the cost).
 sentence-transformers' ``MatryoshkaLoss`` wraps one base loss and sums ``w_k * base(prefix_k)`` over
 its dims. Here the base is the run's own list of terms: the ``matryoshka`` term names the terms it
 re-evaluates (``of``; default every term of the run that compares embeddings) and holds them, built
-(:class:`MatryoshkaTerm`), and adds, for each prefix width k of ``dims``::
+(:class:`Matryoshka`), and adds, for each prefix width k of ``dims``::
 
     matryoshka = sum_k w_k * sum_{i in of} weight_i * term_i(prefix_k(rows), batch)
     prefix_k(x) = x[..., :k] / ||x[..., :k]||
@@ -35,9 +35,10 @@ the similarity distribution rather than the raw cosines (an MSE of the two cosin
 gradient at the scale of the other terms: e5's cosines crowd into [0.7, 1], and their squared
 differences are ~1e-3.
 
-Terms that cannot be taken on a prefix say so themselves (:attr:`~pipeline.losses.terms.Term.prefix_refusal`:
-the MLM term has no embedding, sbert's classifier reads 3H inputs) and are refused, as is a term that
-compares full-width vectors with the teacher (luse's ``teacher_positive``).
+Terms that cannot be taken on a prefix say so themselves
+(:attr:`~pipeline.losses.terms.LossTerm.prefix_refusal`: the MLM term has no embedding, sbert's classifier
+reads 3H inputs) and are refused, as is a term that compares full-width vectors with the teacher (luse's
+``teacher_positive``).
 
 Distributed: each prefix loss is its own term's formula on truncated tensors (gathers included), so
 its rank-mean and DDP gradient equal the single-process ones exactly when the term's do
@@ -47,14 +48,14 @@ its rank-mean and DDP gradient equal the single-process ones exactly when the te
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pipeline.config import option
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.terms import VIEWS, Rows, Term, TermContext, TermModule, WeightedTerm
+from pipeline.losses.terms import VIEWS, LossTerm, Rows, TermContext, WeightedTerm
 
 if TYPE_CHECKING:
     from pipeline.data.collate import Batch
@@ -65,7 +66,7 @@ DEFAULT_DIMS = [256, 128, 64]  # prefix widths trained besides the full one (e5-
 def compute_loss(
     rows: Rows,
     batch: Batch,
-    terms: list[TermModule],
+    terms: list[LossTerm],
     dims: list[int],
     weights: list[float],
     temperature: float = 0.05,
@@ -117,69 +118,66 @@ class MatryoshkaConfig:
             raise ConfigError("matryoshka.temperature must be > 0 (try 0.05)")
 
 
-def check_width(c: MatryoshkaConfig, width: int) -> None:
-    """Refuse prefixes wider than the encoder (before training, when the model is built)."""
-    if max(c.dims) > width:
-        raise ConfigError(
-            f"matryoshka.dims {c.dims}: the model's embeddings are {width}-d; keep every dim <= {width}"
-        )
+class Matryoshka(LossTerm):
+    """the run's terms again on re-normalised prefixes of the embedding (Matryoshka dims)
 
+    In training it holds the run's built terms it re-evaluates (not as submodules: they are the run's,
+    with their own state) and calls each on the shortened rows."""
 
-def wraps(c: MatryoshkaConfig, run: list[WeightedTerm]) -> list[str]:
-    """The names of the run's terms it re-evaluates (``of``); a ConfigError if one does not fit."""
-    names = [t.term.name for t in run]
-    if c.of:
-        missing = [n for n in c.of if n not in names]
-        if missing:
+    name = "matryoshka"
+    config_class = MatryoshkaConfig
+    part = "matryoshka"
+    prefix_refusal = "it is the matryoshka term"
+
+    @classmethod
+    def reads(cls, config: MatryoshkaConfig) -> frozenset[str]:
+        return frozenset({VIEWS})  # and what its terms read, which are in the run themselves
+
+    @classmethod
+    def check_width(cls, config: MatryoshkaConfig, width: int) -> None:
+        """Refuse prefixes wider than the encoder (before training, when the model is built)."""
+        if max(config.dims) > width:
             raise ConfigError(
-                f"matryoshka.of names {', '.join(missing)}, not a term of this run ({', '.join(names)})"
+                f"matryoshka.dims {config.dims}: the model's embeddings are {width}-d; keep every dim "
+                f"<= {width}"
             )
-        refused = [f"{t.term.name} ({t.term.prefix_refusal})" for t in run
-                   if t.term.name in c.of and t.term.prefix_refusal]  # fmt: skip
-        if refused:
-            raise ConfigError(f"matryoshka.of: cannot take {', '.join(refused)} on a prefix")
-        inner = [t for t in run if t.term.name in c.of]
-    else:
-        inner = [t for t in run if t.term.prefix_refusal is None]
-        if not inner:
-            raise ConfigError(f"matryoshka: no term of this run ({', '.join(names)}) compares embeddings")
-    for t in inner:
-        if t.term.needs(t.config).teacher_positive:
-            raise ConfigError(
-                "matryoshka.of: luse with teacher_positive compares full-width vectors with the teacher; "
-                "drop teacher_positive or leave luse out of matryoshka.of"
-            )
-    return [t.term.name for t in inner]
 
+    @classmethod
+    def wraps(cls, config: MatryoshkaConfig, run: list[WeightedTerm]) -> list[str]:
+        """The names of the run's terms it re-evaluates (``of``); a ConfigError if one does not fit."""
+        names = [t.term.name for t in run]
+        if config.of:
+            missing = [n for n in config.of if n not in names]
+            if missing:
+                raise ConfigError(
+                    f"matryoshka.of names {', '.join(missing)}, not a term of this run ({', '.join(names)})"
+                )
+            refused = [f"{t.term.name} ({t.term.prefix_refusal})" for t in run
+                       if t.term.name in config.of and t.term.prefix_refusal]  # fmt: skip
+            if refused:
+                raise ConfigError(f"matryoshka.of: cannot take {', '.join(refused)} on a prefix")
+            inner = [t for t in run if t.term.name in config.of]
+        else:
+            inner = [t for t in run if t.term.prefix_refusal is None]
+            if not inner:
+                raise ConfigError(f"matryoshka: no term of this run ({', '.join(names)}) compares embeddings")
+        for t in inner:
+            if t.term.needs(t.config).teacher_positive:
+                raise ConfigError(
+                    "matryoshka.of: luse with teacher_positive compares full-width vectors with the teacher; "
+                    "drop teacher_positive or leave luse out of matryoshka.of"
+                )
+        return [t.term.name for t in inner]
 
-class MatryoshkaTerm(TermModule):
-    """The matryoshka term in training: it holds the run's built terms it re-evaluates (not as submodules:
-    they are the run's, with their own state) and calls each on the shortened rows."""
+    @classmethod
+    def describe(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        return {"prefix_dims": fields.get("dims") or DEFAULT_DIMS, "cite": ["matryoshka"]}
 
     def __init__(self, weighted: WeightedTerm, context: TermContext):
         super().__init__(weighted, context)
-        names = wraps(self.config, [t.weighted for t in context.terms.values()])
+        names = self.wraps(self.config, [t.weighted for t in context.terms.values()])
         self.inner = [context.terms[name] for name in names]  # a list: not registered twice
 
     def forward(self, rows: Rows, batch: Batch) -> torch.Tensor:
         c: MatryoshkaConfig = self.config
         return compute_loss(rows, batch, self.inner, c.dims, c.weights, c.temperature)
-
-
-def _held(c: MatryoshkaConfig, rows: Rows, batch: Batch, lent: object) -> torch.Tensor:
-    raise RuntimeError("the matryoshka term is evaluated by its module, which holds the run's built terms")
-
-
-TERM = Term(
-    name="matryoshka",
-    summary="the run's terms again on re-normalised prefixes of the embedding (Matryoshka dims)",
-    config=MatryoshkaConfig,
-    loss=_held,  # MatryoshkaTerm.forward: over the built terms it holds
-    reads=lambda c: frozenset({VIEWS}),  # and what its terms read, which are in the run themselves
-    part="matryoshka",
-    wraps=wraps,
-    check_width=check_width,
-    module=MatryoshkaTerm,
-    prefix_refusal="it is the matryoshka term",
-    describe=lambda fields: {"prefix_dims": fields.get("dims") or DEFAULT_DIMS, "cite": ["matryoshka"]},
-)

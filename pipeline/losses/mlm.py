@@ -39,7 +39,7 @@ from pipeline.config import option
 from pipeline.data.masking import IGNORE_INDEX
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.terms import MLM_LOGITS, Lent, Needs, Rows, Term
+from pipeline.losses.terms import MLM_LOGITS, LossTerm, Needs, Rows
 
 if TYPE_CHECKING:
     from pipeline.data.collate import Batch
@@ -80,19 +80,23 @@ class MLMConfig:
             raise ConfigError("mlm.probability must be in (0, 1) (BERT uses 0.15)")
 
 
-def _term_loss(c: MLMConfig, rows: Rows, batch: Batch, lent: Lent) -> torch.Tensor:
-    if rows.mlm_logits is None or batch.mlm_labels is None:
-        raise ValueError("the mlm term needs the step's MLM logits and labels (batches from MLMCollator)")
-    return compute_loss(rows.mlm_logits, batch.mlm_labels)  # logits (M, V) or (B, L, V), labels (B, L)
+class MLM(LossTerm):
+    """auxiliary masked-token loss on the originals (an MLM head tied to the word embeddings)"""
 
+    name = "mlm"
+    config_class = MLMConfig
+    part = "mlm"
+    prefix_refusal = "it has no embedding"
 
-TERM = Term(
-    name="mlm",
-    summary="auxiliary masked-token loss on the originals (an MLM head tied to the word embeddings)",
-    config=MLMConfig,
-    loss=_term_loss,
-    reads=lambda c: frozenset({MLM_LOGITS}),
-    part="mlm",
-    needs=lambda c: Needs(mlm_probability=c.probability),  # an MLM head; masks drawn in the loader
-    prefix_refusal="it has no embedding",
-)
+    @classmethod
+    def reads(cls, config: MLMConfig) -> frozenset[str]:
+        return frozenset({MLM_LOGITS})
+
+    @classmethod
+    def needs(cls, config: MLMConfig) -> Needs:
+        return Needs(mlm_probability=config.probability)  # an MLM head; masks drawn in the loader
+
+    def forward(self, rows: Rows, batch: Batch) -> torch.Tensor:
+        if rows.mlm_logits is None or batch.mlm_labels is None:
+            raise ValueError("the mlm term needs the step's MLM logits and labels (batches from MLMCollator)")
+        return compute_loss(rows.mlm_logits, batch.mlm_labels)  # logits (M, V) or (B, L, V), labels (B, L)

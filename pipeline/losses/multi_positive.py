@@ -71,12 +71,10 @@ from pipeline.losses.terms import (
     QUEUE,
     TEACHER,
     VIEWS,
-    Lent,
+    LossTerm,
     Needs,
     Rows,
-    Term,
     TermContext,
-    TermModule,
     WeightedTerm,
 )
 
@@ -95,6 +93,7 @@ def compute_loss(
     project: Callable[[torch.Tensor], torch.Tensor] | None = None,
     guide: Guide | None = None,
     counts: dict[str, torch.Tensor] | None = None,
+    hard_negative_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Multi-positive listwise loss over (n_views, B, H) L2-normalised embeddings.
 
@@ -111,6 +110,8 @@ def compute_loss(
         guide: ids / text hashes / teacher vectors of the sentences and the queue: candidates that match
             the anchor's are masked (false negatives); gathered across ranks (collectives).
         counts: filled with ``false_negatives``, the number of (anchor, candidate) pairs masked (float).
+        hard_negative_mask: (B, m) bool, the slots of ``hard_negatives`` that hold a negative (pair shards
+            whose pairs list fewer than m); the others leave every softmax. None: all of them.
 
     Returns:
         A scalar, the mean over the n_views * B_local local anchors.
@@ -156,7 +157,12 @@ def compute_loss(
         m = hard_negatives.shape[0]
         negatives = at_least_float32(hard_negatives.reshape(m * batch, dim))  # (m * B, H)
         negatives = all_gather_with_grad(negatives) if gather else negatives  # (W * m * B, H)
-        columns.append(anchors @ negatives.T / temperature)  # (n * B, W * m * B)
+        negative_logits = anchors @ negatives.T / temperature  # (n * B, W * m * B)
+        if hard_negative_mask is not None:  # a user's pairs: the slots a pair leaves empty
+            listed = hard_negative_mask.to(device).T.reshape(-1)  # (m * B,) in the negatives' order
+            listed = all_gather_no_grad(listed) if gather else listed  # (W * m * B,)
+            negative_logits = negative_logits.masked_fill(~listed[None, :], float("-inf"))
+        columns.append(negative_logits)
     teacher_start = sum(c.shape[1] for c in columns)
     if teacher is not None:
         t = F.normalize(teacher.to(anchors.dtype), dim=-1)  # (B, D_t)
@@ -265,48 +271,62 @@ def guide_of(
     )
 
 
-def _term_loss(c: LuseConfig, rows: Rows, batch: Batch, lent: Lent) -> torch.Tensor:
-    """Over the views and hard negatives of ``rows`` (cut to a matryoshka prefix when they are), the run's
-    queue (its own, lent) with its keys cut as the rows are, and the rules' ids, hashes and teacher rows
-    of the batch."""
-    if batch.groups is not None and c.teacher_positive:
-        raise ValueError("luse.teacher_positive: not on pair batches (the positive is not the anchor)")
-    views = rows.views  # (n, B, H)
-    return compute_loss(
-        views,
-        c.temperature,
-        queue=None if lent.queue is None else rows.cut(lent.queue.negatives()),  # (filled, H)
-        gather=rows.gather,
-        teacher=batch.teacher if c.teacher_positive else None,
-        hard_negatives=rows.hard_negatives,  # (m, B, H)
-        project=rows.head,
-        guide=guide_of(c.false_negatives, batch, views.shape[0], lent.queue, lent.teacher_queue),
-        counts=rows.counts,
-    )
+class Luse(LossTerm):
+    """multi-positive listwise over original + EDA variants + dropout views, queue (shards)
 
+    Its state in training: the negative queue (``queue_size``) of earlier steps' keys, their sentence ids
+    and text hashes, and the momentum (EMA) encoder that makes the keys (``momentum`` > 0; with 0 the keys
+    are the detached online view 0). Both live here, so they are in this term's ``state_dict``; a
+    checkpoint holds them as ``queue`` and ``momentum_encoder``, the names checkpoints have always used, so
+    a checkpoint of an earlier version resumes as it is."""
 
-def _reads(c: Any) -> frozenset[str]:
-    teacher = c.teacher_positive or c.false_negatives.teacher_margin is not None
-    return frozenset({VIEWS, HARD_NEGATIVES, QUEUE} | ({TEACHER} if teacher else set()))
+    name = "luse"
+    config_class = LuseConfig
+    data = "shards"
+    uses_variants = True
+    trains_on_pairs = True  # the partner is one more positive (pair_views)
 
+    @classmethod
+    def reads(cls, config: LuseConfig) -> frozenset[str]:
+        teacher = config.teacher_positive or config.false_negatives.teacher_margin is not None
+        return frozenset({VIEWS, HARD_NEGATIVES, QUEUE} | ({TEACHER} if teacher else set()))
 
-def _pair_views(c: LuseConfig, num_dropout_views: int) -> int:
-    """Views of a pair on pair shards: anchor, positive, the anchor's dropout re-encodings."""
-    if c.teacher_positive or c.false_negatives.teacher_margin is not None:
-        raise ConfigError(
-            "luse.teacher_positive and luse.false_negatives.teacher_margin take the teacher's vector of the "
-            "anchor for a positive's, and a pair's positive is another text: unset them on pair shards "
-            "(docs/pairs.md, 'Training on pairs')"
+    @classmethod
+    def num_views(cls, num_variants: int, num_dropout_views: int) -> int:
+        return 1 + num_variants + num_dropout_views  # original, EDA variants, dropout views
+
+    @classmethod
+    def pair_views(cls, config: LuseConfig, num_dropout_views: int) -> int:
+        """Views of a pair on pair shards: anchor, positive, the anchor's dropout re-encodings."""
+        if config.teacher_positive or config.false_negatives.teacher_margin is not None:
+            raise ConfigError(
+                "luse.teacher_positive and luse.false_negatives.teacher_margin take the teacher's vector of "
+                "the anchor for a positive's, and a pair's positive is another text: unset them on pair "
+                "shards (docs/pairs.md, 'Training on pairs')"
+            )
+        return 2 + num_dropout_views
+
+    @classmethod
+    def needs(cls, config: LuseConfig) -> Needs:
+        return Needs(
+            queue_size=config.queue_size,
+            momentum=config.momentum,
+            text_hashes=config.false_negatives.same_text,  # hashing costs the loader and a gather per step
+            teacher_positive=config.teacher_positive,
         )
-    return 2 + num_dropout_views
 
+    @classmethod
+    def projects(cls, config: LuseConfig) -> bool:
+        return config.teacher_positive
 
-class LuseTerm(TermModule):
-    """The luse term in training, with its state: the negative queue (``queue_size``) of earlier steps'
-    keys, their sentence ids and text hashes, and the momentum (EMA) encoder that makes the keys
-    (``momentum`` > 0; with 0 the keys are the detached online view 0). Both live here, so they are in
-    this term's ``state_dict``; a checkpoint holds them as ``queue`` and ``momentum_encoder``, the names
-    checkpoints have always used, so a checkpoint of an earlier version resumes as it is."""
+    @classmethod
+    def describe(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        """What the model card says of a luse term (its saved fields): its queue and momentum rows, its
+        paper among the citations, and MoCo when it kept a queue or a momentum encoder."""
+        queue, momentum = fields.get("queue_size"), fields.get("momentum")
+        rows = [("negative queue size", queue), ("momentum encoder", momentum)]
+        cite = ["luse", "moco"] if queue or momentum else ["luse"]
+        return {"rows": rows, "cite": cite, "queue_size": queue, "momentum": momentum}
 
     def __init__(self, weighted: WeightedTerm, context: TermContext):
         from pipeline.losses.queue import MomentumEncoder, NegativeQueue, needs_forward
@@ -317,6 +337,28 @@ class LuseTerm(TermModule):
         keyed = self.queue is not None and needs_forward(c.momentum)
         self.momentum_encoder = MomentumEncoder(context.encoder) if keyed else None
         self.lent.queue = self.queue  # its formula reads it there, as kl and the teacher terms on a prefix do
+
+    def forward(self, rows: Rows, batch: Batch) -> torch.Tensor:
+        """Over the views and hard negatives of ``rows`` (cut to a matryoshka prefix when they are), the
+        run's queue (its own, lent) with its keys cut as the rows are, and the rules' ids, hashes and
+        teacher rows of the batch."""
+        c: LuseConfig = self.config
+        lent = self.lent
+        if batch.groups is not None and c.teacher_positive:
+            raise ValueError("luse.teacher_positive: not on pair batches (the positive is not the anchor)")
+        views = rows.views  # (n, B, H)
+        return compute_loss(
+            views,
+            c.temperature,
+            queue=None if lent.queue is None else rows.cut(lent.queue.negatives()),  # (filled, H)
+            gather=rows.gather,
+            teacher=batch.teacher if c.teacher_positive else None,
+            hard_negatives=rows.hard_negatives,  # (m, B, H)
+            project=rows.head,
+            guide=guide_of(c.false_negatives, batch, views.shape[0], lent.queue, lent.teacher_queue),
+            counts=rows.counts,
+            hard_negative_mask=batch.hard_negative_mask,  # (B, m) a user's pairs; else None
+        )
 
     def after_micro_batch(self, rows: torch.Tensor, inputs: dict[str, torch.Tensor], batch: Any,
                           apply: torch.Tensor | None) -> None:  # fmt: skip
@@ -358,35 +400,3 @@ class LuseTerm(TermModule):
         if self.queue is None:
             return {}
         return {"queue_checksum": tensor_checksum([self.queue.keys]), "queue_fill": self.queue.fill}
-
-
-def _describe(fields: dict[str, Any]) -> dict[str, Any]:
-    """What the model card says of a luse term (its saved fields): its queue and momentum rows, its paper
-    among the citations, and MoCo when it kept a queue or a momentum encoder."""
-    queue, momentum = fields.get("queue_size"), fields.get("momentum")
-    rows = [("negative queue size", queue), ("momentum encoder", momentum)]
-    cite = ["luse", "moco"] if queue or momentum else ["luse"]
-    return {"rows": rows, "cite": cite, "queue_size": queue, "momentum": momentum}
-
-
-TERM = Term(
-    name="luse",
-    summary="multi-positive listwise over original + EDA variants + dropout views, queue (shards)",
-    config=LuseConfig,
-    loss=_term_loss,
-    reads=_reads,
-    part="contrastive",
-    data="shards",
-    num_views=lambda k, d: 1 + k + d,  # original, EDA variants, dropout views
-    uses_variants=True,
-    pair_views=_pair_views,  # also trains on pair shards (the partner is one more positive)
-    projects=lambda c: c.teacher_positive,
-    needs=lambda c: Needs(
-        queue_size=c.queue_size,
-        momentum=c.momentum,
-        text_hashes=c.false_negatives.same_text,  # hashing costs the loader and a gather per step
-        teacher_positive=c.teacher_positive,
-    ),
-    module=LuseTerm,
-    describe=_describe,
-)

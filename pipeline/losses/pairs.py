@@ -21,6 +21,18 @@ two records). The candidate text is p_j in the first direction, a_j in the secon
 leaves the softmax (logit -inf); the anchor's own partner never does. ``counts["false_negatives"]``
 is the number of (anchor, candidate) pairs masked over both directions (one with symmetric off).
 
+Listed hard negatives (a user's pairs, ``pipeline pairs --format flag|columns``; ``data.num_hard_negatives``
+m): pair i's negatives n_{i,1..m}, encoded with gradient, gathered as the pairs are, join the candidates of
+*every* anchor in the anchor -> positive direction (as FlagEmbedding and sentence-transformers'
+MultipleNegativesRankingLoss take every passage of the batch)::
+
+    l_ap(I) = -log( exp s(a_I, p_I) / (sum_{j in C(I)} exp s(a_I, p_j) + sum_{n in H(I)} exp s(a_I, n)) )
+
+H(I) is every listed negative of the global batch but the empty slots of pairs that list fewer than m
+(``batch.hard_negative_mask``) and, with ``same_text``, one whose text hashes like either text of pair I
+(another query's negative may be this query's positive); those masked by text are counted in
+``false_negatives``. The positive -> anchor direction keeps the anchors as its candidates.
+
 Distributed semantics as luse and sup_simcse: each rank's value is the mean over its B anchors, so
 with equal local batches the mean over ranks is the global-batch loss and DDP's averaged gradient is
 the single-process gradient over the concatenated batch (tests/test_pairs_train.py, gloo).
@@ -43,7 +55,7 @@ from pipeline.config import option
 from pipeline.distributed import all_gather_no_grad, all_gather_with_grad, rank
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.terms import VIEWS, Lent, Needs, Rows, Term
+from pipeline.losses.terms import HARD_NEGATIVES, VIEWS, LossTerm, Needs, Rows
 
 if TYPE_CHECKING:
     from pipeline.data.collate import Batch
@@ -80,6 +92,9 @@ def compute_loss(
     anchor_hashes: torch.Tensor | None = None,
     positive_hashes: torch.Tensor | None = None,
     counts: dict[str, torch.Tensor] | None = None,
+    hard_negatives: torch.Tensor | None = None,
+    negative_mask: torch.Tensor | None = None,
+    negative_hashes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pair InfoNCE (module docstring) over (B_local, H) L2-normalised anchors and positives.
 
@@ -89,6 +104,11 @@ def compute_loss(
             neither: a candidate whose text hashes like either side of the anchor's pair is masked.
         gather: gather all ranks' pairs as candidates (a collective: every rank must call it).
         counts: filled with ``false_negatives``, the number of masked (anchor, candidate) pairs (float).
+        hard_negatives: (m, B_local, H) L2-normalised listed negatives, negative j of pair i at [j, i]:
+            candidates of every anchor in the anchor -> positive direction (gathered with gradient).
+        negative_mask: (B, m) bool, the slots that hold a listed negative (None: all of them).
+        negative_hashes: (B, m) int64 their texts' hashes; with the sides' hashes, a negative whose text
+            hashes like either side of the anchor's pair is masked.
     """
     if anchor.dim() != 2 or anchor.shape != positive.shape:
         raise ValueError(
@@ -126,10 +146,48 @@ def compute_loss(
         fn = _false_negatives(group_local, groups_all, own_hashes, key_hashes, own, keys.shape[0])
         masked = masked + fn.sum()
         logits = logits.masked_fill(fn, float("-inf"))  # all-False: bit for bit the plain logits
+        if not losses and hard_negatives is not None and hard_negatives.numel():  # anchor -> positive
+            negative_logits, negatives_masked = _negative_logits(
+                a, hard_negatives, negative_mask, negative_hashes, own_hashes, temperature, gather
+            )
+            logits = torch.cat([logits, negative_logits], dim=1)  # (B, N + W * m * B)
+            masked = masked + negatives_masked
         losses.append(F.cross_entropy(logits, own))
     if counts is not None:
         counts["false_negatives"] = masked.float()
     return losses[0] if len(losses) == 1 else (losses[0] + losses[1]) / 2
+
+
+def _negative_logits(
+    anchors: torch.Tensor,
+    hard_negatives: torch.Tensor,
+    mask: torch.Tensor | None,
+    hashes: torch.Tensor | None,
+    own_hashes: torch.Tensor | None,
+    temperature: float,
+    gather: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, W * m * B) logits of the anchors against every listed negative of the global batch, empty slots
+    and (with hashes) negatives that hash like a side of the anchor's pair at -inf; and how many of the
+    latter were masked (a () tensor)."""
+    m, b, h = hard_negatives.shape
+    negatives = at_least_float32(hard_negatives).reshape(m * b, h)  # (m * B, H), row j * B + i
+    negatives = all_gather_with_grad(negatives) if gather else negatives  # (W * m * B, H)
+    logits = anchors @ negatives.T / temperature  # (B, W * m * B)
+
+    def slots(x: torch.Tensor) -> torch.Tensor:  # (B, m) per pair -> (W * m * B,) in the negatives' order
+        x = x.to(anchors.device).T.reshape(-1)  # (m * B,)
+        return all_gather_no_grad(x) if gather else x
+
+    masked = torch.zeros((), device=anchors.device)
+    empty = torch.zeros(logits.shape[1], dtype=torch.bool, device=anchors.device)  # (W * m * B,)
+    if mask is not None:
+        empty = ~slots(mask)
+    if hashes is not None and own_hashes is not None:
+        same = (own_hashes[:, :, None] == slots(hashes)[None, None, :]).any(dim=1) & ~empty  # (B, W * m * B)
+        masked = same.sum()
+        logits = logits.masked_fill(same, float("-inf"))
+    return logits.masked_fill(empty[None, :], float("-inf")), masked
 
 
 @dataclass
@@ -145,36 +203,46 @@ class PairsConfig:
             raise ConfigError("pairs.temperature must be > 0 (try 0.05)")
 
 
-def _term_loss(c: PairsConfig, rows: Rows, batch: Batch, lent: Lent) -> torch.Tensor:
-    views = rows.views  # (2, B, H) anchor, positive
-    if views.shape[0] != 2:
-        raise ValueError(f"pairs: views must be (2, B, H) (anchor, positive), got {tuple(views.shape)}")
-    if batch.groups is None:
-        raise ValueError("pairs: the batch carries no group ids (batches of pair shards do)")
-    if c.same_text and (batch.text_hashes is None or batch.positive_text_hashes is None):
-        raise ValueError("pairs.same_text: the batch carries no text hashes of both sides")
-    hashes: Any = batch.text_hashes if c.same_text else None
-    return compute_loss(
-        views[0],
-        views[1],
-        c.temperature,
-        c.symmetric,
-        gather=rows.gather,
-        groups=batch.groups,
-        anchor_hashes=hashes,
-        positive_hashes=batch.positive_text_hashes if hashes is not None else None,
-        counts=rows.counts,
-    )
+class Pairs(LossTerm):
+    """InfoNCE over structure pairs, both directions, group-masked in-batch negatives (pair shards)"""
 
+    name = "pairs"
+    config_class = PairsConfig
+    data = "pair_shards"
 
-TERM = Term(
-    name="pairs",
-    summary="InfoNCE over structure pairs, both directions, group-masked in-batch negatives (pair shards)",
-    config=PairsConfig,
-    loss=_term_loss,
-    reads=lambda c: frozenset({VIEWS}),
-    part="contrastive",
-    data="pair_shards",
-    num_views=lambda k, d: 2,  # anchor, positive
-    needs=lambda c: Needs(text_hashes=c.same_text),  # both sides' hashes, hashed in the loader workers
-)
+    @classmethod
+    def num_views(cls, num_variants: int, num_dropout_views: int) -> int:
+        return 2  # anchor, positive
+
+    @classmethod
+    def reads(cls, config: PairsConfig) -> frozenset[str]:
+        return frozenset({VIEWS, HARD_NEGATIVES})  # the listed negatives of a user's pairs, when given
+
+    @classmethod
+    def needs(cls, config: PairsConfig) -> Needs:
+        return Needs(text_hashes=config.same_text)  # both sides' hashes, hashed in the loader workers
+
+    def forward(self, rows: Rows, batch: Batch) -> torch.Tensor:
+        c: PairsConfig = self.config
+        views = rows.views  # (2, B, H) anchor, positive
+        if views.shape[0] != 2:
+            raise ValueError(f"pairs: views must be (2, B, H) (anchor, positive), got {tuple(views.shape)}")
+        if batch.groups is None:
+            raise ValueError("pairs: the batch carries no group ids (batches of pair shards do)")
+        if c.same_text and (batch.text_hashes is None or batch.positive_text_hashes is None):
+            raise ValueError("pairs.same_text: the batch carries no text hashes of both sides")
+        hashes: Any = batch.text_hashes if c.same_text else None
+        return compute_loss(
+            views[0],
+            views[1],
+            c.temperature,
+            c.symmetric,
+            gather=rows.gather,
+            groups=batch.groups,
+            anchor_hashes=hashes,
+            positive_hashes=batch.positive_text_hashes if hashes is not None else None,
+            counts=rows.counts,
+            hard_negatives=rows.hard_negatives,  # (m, B, H) or None
+            negative_mask=batch.hard_negative_mask,  # (B, m)
+            negative_hashes=batch.hard_negative_text_hashes if hashes is not None else None,  # (B, m)
+        )

@@ -33,7 +33,7 @@ per-rank losses still average to the global loss); a view of the anchor's own se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ from pipeline.config import option
 from pipeline.distributed import all_gather_no_grad, all_gather_with_grad, rank
 from pipeline.losses._precision import at_least_float32
 from pipeline.losses.false_negatives import FalseNegativeConfig, Guide, make_guide, sentence_mask
-from pipeline.losses.terms import TEACHER, VIEWS, Lent, Rows, Term
+from pipeline.losses.terms import TEACHER, VIEWS, LossTerm, Rows
 
 if TYPE_CHECKING:
     from pipeline.data.collate import Batch
@@ -111,22 +111,27 @@ class PairwiseBCEConfig:
     )
 
 
-def _term_loss(c: PairwiseBCEConfig, rows: Rows, batch: Batch, lent: Lent) -> torch.Tensor:
-    guide = make_guide(c.false_negatives, batch.ids, batch.text_hashes, teacher=batch.teacher)
-    return compute_loss(rows.views, gather=rows.gather, guide=guide, counts=rows.counts)  # (n, B, H)
+class PairwiseBCE(LossTerm):
+    """LUSE's pairwise BCE of (1 + cos) / 2 over all pairs of views (same sentence = 1) (shards)"""
 
+    name = "luse_bce"
+    config_class = PairwiseBCEConfig
+    data = "shards"
+    uses_variants = True
 
-TERM = Term(
-    name="luse_bce",
-    summary="LUSE's pairwise BCE of (1 + cos) / 2 over all pairs of views (same sentence = 1) (shards)",
-    config=PairwiseBCEConfig,
-    loss=_term_loss,
-    reads=lambda c: frozenset(
-        {VIEWS} | ({TEACHER} if c.false_negatives.teacher_margin is not None else set())
-    ),
-    part="contrastive",
-    data="shards",
-    num_views=lambda k, d: 1 + k + d,  # original, EDA variants, dropout views (as luse)
-    uses_variants=True,
-    describe=lambda fields: {"cite": ["luse"]},  # the model card cites its paper
-)
+    @classmethod
+    def reads(cls, config: PairwiseBCEConfig) -> frozenset[str]:
+        teacher = config.false_negatives.teacher_margin is not None
+        return frozenset({VIEWS} | ({TEACHER} if teacher else set()))
+
+    @classmethod
+    def num_views(cls, num_variants: int, num_dropout_views: int) -> int:
+        return 1 + num_variants + num_dropout_views  # original, EDA variants, dropout views (as luse)
+
+    @classmethod
+    def describe(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        return {"cite": ["luse"]}  # the model card cites its paper
+
+    def forward(self, rows: Rows, batch: Batch) -> torch.Tensor:
+        guide = make_guide(self.config.false_negatives, batch.ids, batch.text_hashes, teacher=batch.teacher)
+        return compute_loss(rows.views, gather=rows.gather, guide=guide, counts=rows.counts)  # (n, B, H)

@@ -17,6 +17,7 @@ batch sizes the mean of per-rank losses is the global-batch loss.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +25,11 @@ import torch.nn.functional as F
 from pipeline.config import option
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.terms import LABELS, PAIRS, Term
+from pipeline.losses.terms import LABELS, PAIRS, LossTerm, Rows
 from pipeline.model.heads import SoftmaxHead
+
+if TYPE_CHECKING:
+    from pipeline.data.collate import Batch
 
 
 def compute_loss(u: torch.Tensor, v: torch.Tensor, labels: torch.Tensor, head: SoftmaxHead) -> torch.Tensor:
@@ -48,17 +52,27 @@ class SbertConfig:
             raise ConfigError("sbert.num_labels must be >= 2")
 
 
-TERM = Term(
-    name="sbert",
-    summary="Sentence-BERT softmax classifier over labelled pairs (pairs file)",
-    config=SbertConfig,
-    # views (2, B, H): the two sides u, v; labels (B,) class indices
-    loss=lambda c, rows, batch, lent: compute_loss(*rows.views, batch.labels, rows.head),
-    reads=lambda c: frozenset({PAIRS, LABELS}),
-    part="contrastive",
-    data="pairs",
-    num_views=lambda k, d: 2,
-    label_dtype=torch.long,
-    make_head=lambda c, dim: SoftmaxHead(dim, c.num_labels),
-    prefix_refusal="its classifier reads [u, v, |u - v|] of the full width",
-)
+class SbertSoftmax(LossTerm):
+    """Sentence-BERT softmax classifier over labelled pairs (pairs file)"""
+
+    name = "sbert"
+    config_class = SbertConfig
+    data = "pairs"
+    label_dtype = torch.long
+    prefix_refusal = "its classifier reads [u, v, |u - v|] of the full width"
+
+    @classmethod
+    def reads(cls, config: Any) -> frozenset[str]:
+        return frozenset({PAIRS, LABELS})
+
+    @classmethod
+    def num_views(cls, num_variants: int, num_dropout_views: int) -> int:
+        return 2  # the two sides u, v
+
+    @classmethod
+    def make_head(cls, config: SbertConfig, dim: int) -> SoftmaxHead:
+        return SoftmaxHead(dim, config.num_labels)
+
+    def forward(self, rows: Rows, batch: Batch) -> torch.Tensor:
+        u, v = rows.views  # (2, B, H); labels (B,) class indices
+        return compute_loss(u, v, batch.labels, rows.head)

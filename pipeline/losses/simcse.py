@@ -27,6 +27,7 @@ attached to the graph, which scales the gradient by 1/world_size.)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,10 @@ from pipeline.config import option
 from pipeline.distributed import all_gather_with_grad, rank
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.terms import VIEWS, Term
+from pipeline.losses.terms import LossTerm, Rows
+
+if TYPE_CHECKING:
+    from pipeline.data.collate import Batch
 
 
 def compute_loss(embeddings: torch.Tensor, temperature: float = 0.05, gather: bool = True) -> torch.Tensor:
@@ -63,13 +67,16 @@ class SimCSEConfig:
             raise ConfigError("simcse.temperature must be > 0 (try 0.05)")
 
 
-TERM = Term(
-    name="simcse",
-    summary="unsupervised SimCSE, 2 dropout views (shards)",
-    config=SimCSEConfig,
-    loss=lambda c, rows, batch, lent: compute_loss(rows.views, c.temperature, gather=rows.gather),
-    reads=lambda c: frozenset({VIEWS}),
-    part="contrastive",
-    data="shards",
-    num_views=lambda k, d: 2,  # two dropout encodings of the original
-)
+class SimCSE(LossTerm):
+    """unsupervised SimCSE, 2 dropout views (shards)"""
+
+    name = "simcse"
+    config_class = SimCSEConfig
+    data = "shards"
+
+    @classmethod
+    def num_views(cls, num_variants: int, num_dropout_views: int) -> int:
+        return 2  # two dropout encodings of the original
+
+    def forward(self, rows: Rows, batch: Batch) -> torch.Tensor:
+        return compute_loss(rows.views, self.config.temperature, gather=rows.gather)  # views (2, B, H)

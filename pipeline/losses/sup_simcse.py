@@ -14,6 +14,7 @@ single-process gradient over the concatenated batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,10 @@ from pipeline.config import option
 from pipeline.distributed import all_gather_with_grad, rank
 from pipeline.errors import ConfigError
 from pipeline.losses._precision import at_least_float32
-from pipeline.losses.terms import PAIRS, Term
+from pipeline.losses.terms import PAIRS, LossTerm, Rows
+
+if TYPE_CHECKING:
+    from pipeline.data.collate import Batch
 
 
 def compute_loss(
@@ -60,15 +64,25 @@ class SupSimCSEConfig:
             raise ConfigError("sup_simcse.temperature must be > 0 (try 0.05)")
 
 
-TERM = Term(
-    name="sup_simcse",
-    summary="supervised SimCSE with hard negatives (triples file)",
-    config=SupSimCSEConfig,
-    # views (3, B, H): anchor, positive, negative
-    loss=lambda c, rows, batch, lent: compute_loss(*rows.views, c.temperature, gather=rows.gather),
-    reads=lambda c: frozenset({PAIRS}),
-    part="contrastive",
-    data="triples",
-    num_views=lambda k, d: 3,
-    describe=lambda fields: {"cite": ["simcse"]},  # the model card cites its paper
-)
+class SupSimCSE(LossTerm):
+    """supervised SimCSE with hard negatives (triples file)"""
+
+    name = "sup_simcse"
+    config_class = SupSimCSEConfig
+    data = "triples"
+
+    @classmethod
+    def reads(cls, config: Any) -> frozenset[str]:
+        return frozenset({PAIRS})
+
+    @classmethod
+    def num_views(cls, num_variants: int, num_dropout_views: int) -> int:
+        return 3  # anchor, positive, negative
+
+    @classmethod
+    def describe(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        return {"cite": ["simcse"]}  # the model card cites its paper
+
+    def forward(self, rows: Rows, batch: Batch) -> torch.Tensor:
+        anchor, positive, negative = rows.views  # (3, B, H)
+        return compute_loss(anchor, positive, negative, self.config.temperature, gather=rows.gather)

@@ -8,19 +8,20 @@ A run's loss is ``sum_i weight_i * term_i(rows, batch)``, written in the trainin
       - mlm: {probability: 0.15}
         weight: 0.1
 
-Each term lives beside its formula (one file per loss) as a :class:`Term`: its small config dataclass,
-what it reads (views, pairs, labels, teacher, hard negatives, queue, MLM logits), what batch columns and
-heads it needs (:class:`Needs`: an MLM head and masked originals, text hashes; a queue's size for the
-data checks) and its loss. In training the loss is built once per run and kept: :class:`TrainLoss`, a
-``ModuleDict`` of :class:`TermModule`, each called as ``term(rows, batch)``: :class:`Rows`, what the
-model gave (the views and hard negatives, the MLM logits, the head), and the typed
-:class:`~pipeline.data.collate.Batch`, from which the term reads its own columns. A term with state
-subclasses :class:`TermModule` in its own file (luse holds its negative queue and momentum encoder, kl
-its teacher queue) and lends what others read of it through one small record, :class:`Lent`; a term
-over others (matryoshka) is handed them, built, and calls them on shortened rows. The trainer calls
-only :class:`TrainLoss`'s methods (``compute``, ``after_micro_batch``, ``after_step``, ``states``) and never
-asks for a term by name. ``TERMS`` (pipeline/losses/__init__.py) is the registry, the one list of term
-names.
+Each term is one class in its own file, a :class:`LossTerm` (an ``nn.Module``, as each
+sentence-transformers loss is): class attributes and classmethods say what it is (its config dataclass,
+what it reads: views, pairs, labels, teacher, hard negatives, queue, MLM logits; the batch columns and
+state it needs, :class:`Needs`: an MLM head and masked originals, text hashes, a queue's size), its
+``forward(rows, batch)`` is its formula, and its state (luse's negative queue and momentum encoder, kl's
+teacher queue) is its submodules. In training the loss is built once per run and kept: :class:`TrainLoss`,
+a ``ModuleDict`` of the terms, each called as ``term(rows, batch)``: :class:`Rows`, what the model gave
+(the views and hard negatives, the MLM logits, the head), and the typed
+:class:`~pipeline.data.collate.Batch`, from which the term reads its own columns. What one term reads of
+another's state goes through one small record, :class:`Lent`; a term over others (matryoshka) is handed
+them, built, and calls them on shortened rows. The trainer calls only :class:`TrainLoss`'s methods
+(``compute``, ``after_micro_batch``, ``after_step``, ``states``) and never asks for a term by name.
+``TERMS`` (pipeline/losses/__init__.py) is the registry, the one list of term classes: a new term is a new
+file and one line there.
 
 At most one term is a *main* term: it decides the data and the views of a batch (luse: original +
 cached EDA variants + dropout views from the shards; simcse: two dropout views; sup_simcse, cosent,
@@ -31,9 +32,9 @@ shards' batches; with no main term (distillation alone) a batch holds the origin
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from pipeline.data.collate import Batch
     from pipeline.losses.queue import NegativeQueue
 
-# What a term reads (Term.reads): the rows the model gave (the views, a pair's texts, the hard negatives,
+# What a term reads (LossTerm.reads): the rows the model gave (the views, a pair's texts, the hard negatives,
 # the MLM logits), the batch's labels and teacher rows, the run's negative queue (lent by the term that
 # holds it, :class:`Lent`).
 VIEWS, PAIRS, LABELS, TEACHER = "views", "pairs", "labels", "teacher"
@@ -161,48 +162,146 @@ class Needs:
         )
 
 
-@dataclass(frozen=True)
-class Term:
-    """One term of the loss: its config, what it reads, its formula."""
+class LossTerm(nn.Module):
+    """One term of the loss, one class in its own file (as each sentence-transformers loss is one
+    ``nn.Module``); the first paragraph of a term's docstring is its one line in ``--help``.
 
-    name: str  # the key in the config's ``loss`` list
-    summary: str  # one line for --help and docs
-    config: type  # its config dataclass (fields documented with ``option``)
-    # (its config, the rows the model gave, the batch, the state the run's terms lend) -> scalar
-    loss: Callable[[Any, Rows, Batch, Lent], torch.Tensor]
-    reads: Callable[[Any], frozenset[str]]  # what it reads, given its config
-    part: str  # the logged name of its value (``{part}_loss``): contrastive, distill, kl, mlm
-    data: str | None = None  # a main term's: "shards", "pair_shards", "pairs", "triples"; None: the originals
-    num_views: Callable[[int, int], int] | None = None  # a main term: (k variants, d dropout views) -> n
-    uses_variants: bool = False  # its views are the original, the k cached variants, d dropout views
-    # A sentence-shard main term that also trains on pair shards (luse): (its config, d dropout views) ->
-    # views per pair (anchor, positive, d re-encodings of the anchor); a ConfigError for an option that
-    # does not apply to pairs. None: refused on pair shards (pipeline/data/sources.py).
-    pair_views: Callable[[Any, int], int] | None = None
-    label_dtype: torch.dtype | None = None  # labels of a supervised file (None: no label column)
-    make_head: Callable[[Any, int], nn.Module] | None = None  # (its config, dim): a head of its own
-    projects: Callable[[Any], bool] = lambda config: False  # compares student and teacher vectors
-    # A term over the run's other terms (matryoshka): (its config, the run's terms) -> the names of those
-    # it wraps (its module is handed them, built); a ConfigError when they do not fit.
-    wraps: Callable[[Any, list[WeightedTerm]], list[str]] | None = None
-    check_width: Callable[[Any, int], None] | None = None  # (its config, the encoder's width): ConfigError
-    needs: Callable[[Any], Needs] = lambda config: Needs()  # its state and batch columns (Needs)
-    # The module class that evaluates it in training (:class:`TermModule`: a term with state of its own,
-    # a queue or a momentum encoder, or over other terms, subclasses it beside its formula); None: the
-    # stateless TermModule.
-    module: type | None = None
-    # Why it cannot be taken on a re-normalised prefix of the embedding (the matryoshka term; None: it
-    # can, and its forward on shortened rows (:attr:`Rows.prefix`) is its value there).
-    prefix_refusal: str | None = None
-    # What the model card says of the term, from its fields as config.yaml saved them: {"rows": [(what,
-    # value)], "cite": [citation keys], "prefix_dims": [widths it trained]}, each optional
-    describe: Callable[[dict[str, Any]], dict[str, Any]] = lambda fields: {}
+    The class says what the term is, before anything is built: class attributes (``name``, the key in the
+    config's ``loss`` list; ``config_class``, its config dataclass; ``part``, ``data``, ...) and
+    classmethods of its config (``reads``, ``needs``, ``num_views``, ...). The config checks, the data plan
+    and build read only these. An instance is the term in training, built once per run by
+    :class:`TrainLoss` from its :class:`WeightedTerm` and the run's :class:`TermContext`: ``forward(rows,
+    batch)`` is its formula on what the model gave (:class:`Rows`) and the typed batch; state of its own (a
+    negative queue, a momentum encoder) is its submodules and buffers, so it is in its ``state_dict``, and
+    what another term reads of it is lent through the run's :class:`Lent` when it is built. The trainer
+    knows that state only through the hooks below, never by name: :meth:`after_micro_batch` (enqueue),
+    :meth:`after_step` (the momentum update), :meth:`states` (what a checkpoint holds, under the names
+    checkpoints have always used), :meth:`report` (logged values), :meth:`dump` (the debug dump).
+
+    A new term is a subclass in a new file and one line in ``TERMS`` (pipeline/losses/__init__.py);
+    tests/toy_term.py is the smallest.
+    """
+
+    name: ClassVar[str]  # the key in the config's ``loss`` list
+    config_class: ClassVar[type]  # its config dataclass (fields documented with ``option``)
+    part: ClassVar[str] = "contrastive"  # the logged name of its value (``{part}_loss``)
+    # A main term decides where batches come from: "shards", "pair_shards", "pairs" or "triples" (a
+    # supervised file); None: it reads the originals of whatever the main term (or no term) gives.
+    data: ClassVar[str | None] = None
+    uses_variants: ClassVar[bool] = False  # its views are the original, k cached variants, d dropout views
+    # A sentence-shard main term that also trains on pair shards (luse; :meth:`pair_views`); False: a
+    # ConfigError on pair shards (pipeline/data/sources.py).
+    trains_on_pairs: ClassVar[bool] = False
+    label_dtype: ClassVar[torch.dtype | None] = None  # labels of a supervised file (None: no label column)
+    # Why it cannot be taken on a re-normalised prefix of the embedding (None: it can, and its forward on
+    # shortened rows, :attr:`Rows.prefix`, is its value there; pipeline/losses/matryoshka.py).
+    prefix_refusal: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        missing = [name for name in ("name", "config_class") if not hasattr(cls, name)]
+        if missing:  # a term the registry could not key or parse: said where it is defined, not later
+            raise TypeError(
+                f"loss term {cls.__qualname__} sets no {' and no '.join(missing)} (class attributes)"
+            )
+
+    @classmethod
+    def summary(cls) -> str:
+        """Its one line for ``--help`` and the docs: the first paragraph of the class docstring."""
+        return " ".join((inspect.getdoc(cls) or cls.name).split("\n\n")[0].split())
+
+    @classmethod
+    def reads(cls, config: Any) -> frozenset[str]:
+        """What it reads, given its config: ``VIEWS``, ``PAIRS``, ``LABELS``, ``TEACHER``, ...."""
+        return frozenset({VIEWS})
+
+    @classmethod
+    def num_views(cls, num_variants: int, num_dropout_views: int) -> int:
+        """A main term's views per sentence, given k cached variants and d dropout views."""
+        return 1
+
+    @classmethod
+    def pair_views(cls, config: Any, num_dropout_views: int) -> int:
+        """Views per pair on pair shards of a term that :attr:`trains_on_pairs`; a ConfigError for an option
+        of its config that does not apply to pairs."""
+        return 2
+
+    @classmethod
+    def needs(cls, config: Any) -> Needs:
+        """Its state and batch columns (:class:`Needs`), given its config."""
+        return Needs()
+
+    @classmethod
+    def projects(cls, config: Any) -> bool:
+        """Whether it compares student and teacher vectors (a projection when their widths differ)."""
+        return False
+
+    @classmethod
+    def make_head(cls, config: Any, dim: int) -> nn.Module | None:
+        """A trainable head of its own (sbert's classifier), given the encoder's width; None: none."""
+        return None
+
+    @classmethod
+    def check_width(cls, config: Any, width: int) -> None:
+        """A ConfigError when its config does not fit the encoder's width (checked when the model is
+        built)."""
+
+    @classmethod
+    def wraps(cls, config: Any, run: list[WeightedTerm]) -> list[str] | None:
+        """A term over the run's other terms (matryoshka): the names of those it wraps, or a ConfigError
+        when they do not fit; its instance is handed them, built (:attr:`TermContext.terms`). None: it
+        wraps none."""
+        return None
+
+    @classmethod
+    def describe(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        """What the model card says of it, from its fields as config.yaml saved them: ``{"rows": [(what,
+        value)], "cite": [citation keys], "prefix_dims": [widths it trained]}``, each optional."""
+        return {}
+
+    def __init__(self, weighted: WeightedTerm, context: TermContext):
+        super().__init__()
+        self.weighted = weighted
+        self.config, self.weight = weighted.config, weighted.weight
+        self.lent = context.lent  # what the run's terms lend each other (a plain record, not a submodule)
+
+    def forward(self, rows: Rows, batch: Batch) -> torch.Tensor:  # () the term's unweighted value
+        raise NotImplementedError(f"loss term {self.name} defines no forward")
+
+    def after_micro_batch(self, rows: torch.Tensor, inputs: dict[str, torch.Tensor], batch: Any,
+                          apply: torch.Tensor | None) -> None:  # fmt: skip
+        """After a micro-batch's backward, when its step is applied (as far as the host knows; ``apply``
+        the device verdict): e.g. enqueue its keys. ``rows`` (N, H) as the model gave them."""
+
+    def after_step(self, online: nn.Module, apply: torch.Tensor | None) -> None:
+        """After an applied optimizer step: e.g. the momentum encoder follows ``online``."""
+
+    def states(self) -> dict[str, nn.Module]:
+        """This term's checkpointed states by checkpoint name; the trainer saves and restores them."""
+        return {}
+
+    def per_micro_batch(self) -> list[nn.Module]:
+        """The states :meth:`after_micro_batch` changes (copied before a multi-micro-batch step and put
+        back when the guard refuses it)."""
+        return []
+
+    def copies(self) -> list[nn.Module]:
+        """Encoder copies this term runs (a momentum encoder), for the trainer's precision set-up."""
+        return []
+
+    def report(self) -> dict[str, Any]:
+        """Values the loop logs at log steps (host values only, e.g. a queue's fill fraction)."""
+        return {}
+
+    def dump(self) -> dict[str, Any]:
+        """Checksums of the state for the debug dump (train.debug_dump)."""
+        return {}
 
 
 @dataclass(frozen=True)
 class WeightedTerm:
-    term: Term
-    config: Any  # an instance of term.config
+    term: type[LossTerm]
+    config: Any  # an instance of term.config_class
     weight: float
 
 
@@ -228,7 +327,7 @@ class Loss:
     def __init__(self, terms: list[WeightedTerm]):
         self.terms = terms
         main = [t.term for t in terms if t.term.data is not None]
-        self.main: Term | None = main[0] if main else None
+        self.main: type[LossTerm] | None = main[0] if main else None
         self.needs = Needs()  # what the trainer builds for the terms: the one place it learns of them
         for t in terms:
             self.needs = self.needs.merge(t.term.needs(t.config))
@@ -288,11 +387,11 @@ class Loss:
         from pipeline.model.heads import projection_head
 
         for t in self.terms:  # the one place the loss meets the encoder's width, before training
-            if t.term.check_width is not None:
-                t.term.check_width(t.config, dim)
+            t.term.check_width(t.config, dim)
         for t in self.terms:
-            if t.term.make_head is not None:
-                return t.term.make_head(t.config, dim)
+            head = t.term.make_head(t.config, dim)
+            if head is not None:
+                return head
         projects = any(t.term.projects(t.config) for t in self.terms)
         if projects and teacher_dim and teacher_dim != dim:
             return projection_head(dim, teacher_dim)
@@ -332,71 +431,12 @@ class TermContext:
     teacher_dim: int
     needs: Needs
     lent: Lent = dataclasses.field(default_factory=Lent)
-    terms: dict[str, TermModule] = dataclasses.field(default_factory=dict)
-
-
-class TermModule(nn.Module):
-    """One weighted term of the loss as a module, built once per run (:class:`TrainLoss`).
-
-    ``forward(rows, batch)`` is the term's value on what the model gave (:class:`Rows`) and the typed
-    batch; it reads what its :attr:`Term.reads` declares. A term with state (luse's negative queue and
-    momentum encoder, kl's teacher queue) subclasses this beside its formula and keeps the state as its
-    own submodules, so it is in the term's ``state_dict``; what another term reads of it, it lends through
-    the run's :class:`Lent` when it is built. The trainer knows the state only through the methods below,
-    never by name: :meth:`after_micro_batch` (enqueue), :meth:`after_step` (the momentum update),
-    :meth:`states` (what a checkpoint holds, under the names checkpoints have always used), :meth:`report`
-    (logged values).
-    """
-
-    def __init__(self, weighted: WeightedTerm, context: TermContext):
-        super().__init__()
-        self.weighted = weighted
-        self.term, self.config, self.weight = weighted.term, weighted.config, weighted.weight
-        self.lent = context.lent  # what the run's terms lend each other (a plain record, not a submodule)
-
-    @property
-    def part(self) -> str:
-        return self.term.part
-
-    def reads(self) -> frozenset[str]:
-        return self.term.reads(self.config)
-
-    def forward(self, rows: Rows, batch: Batch) -> torch.Tensor:  # () the term's unweighted value
-        return self.term.loss(self.config, rows, batch, self.lent)
-
-    def after_micro_batch(self, rows: torch.Tensor, inputs: dict[str, torch.Tensor], batch: Any,
-                          apply: torch.Tensor | None) -> None:  # fmt: skip
-        """After a micro-batch's backward, when its step is applied (as far as the host knows; ``apply``
-        the device verdict): e.g. enqueue its keys. ``rows`` (N, H) as the model gave them."""
-
-    def after_step(self, online: nn.Module, apply: torch.Tensor | None) -> None:
-        """After an applied optimizer step: e.g. the momentum encoder follows ``online``."""
-
-    def states(self) -> dict[str, nn.Module]:
-        """This term's checkpointed states by checkpoint name; the trainer saves and restores them."""
-        return {}
-
-    def per_micro_batch(self) -> list[nn.Module]:
-        """The states :meth:`after_micro_batch` changes (copied before a multi-micro-batch step and put
-        back when the guard refuses it)."""
-        return []
-
-    def copies(self) -> list[nn.Module]:
-        """Encoder copies this term runs (a momentum encoder), for the trainer's precision set-up."""
-        return []
-
-    def report(self) -> dict[str, Any]:
-        """Values the loop logs at log steps (host values only, e.g. a queue's fill fraction)."""
-        return {}
-
-    def dump(self) -> dict[str, Any]:
-        """Checksums of the state for the debug dump (train.debug_dump)."""
-        return {}
+    terms: dict[str, LossTerm] = dataclasses.field(default_factory=dict)
 
 
 class TrainLoss(nn.Module):
     """The run's loss, built once and kept by the trainer: a ``ModuleDict`` of its weighted terms (each a
-    :class:`TermModule`, holding its own state). :meth:`compute` calls each term on one micro-batch and
+    :class:`LossTerm`, holding its own state). :meth:`compute` calls each term on one micro-batch and
     gives their weighted sum (:class:`LossOut`); :meth:`after_micro_batch` and :meth:`after_step` let each
     term update its state; :meth:`states` is what the checkpoint holds of them."""
 
@@ -404,13 +444,14 @@ class TrainLoss(nn.Module):
         super().__init__()
         self.plan = plan  # the stateless description (data, views, needs) the config checks read
         context = dataclasses.replace(context, lent=Lent(), terms={})  # one record the run's terms share
-        built: dict[str, TermModule] = {}
+        built: dict[str, LossTerm] = {}
+        over = {t.term.name for t in plan.terms if t.term.wraps(t.config, plan.terms) is not None}
         for t in plan.terms:  # the terms over others (matryoshka) last: they are handed the others, built
-            if t.term.wraps is None:
-                built[t.term.name] = (t.term.module or TermModule)(t, context)
+            if t.term.name not in over:
+                built[t.term.name] = t.term(t, context)
         for t in plan.terms:
-            if t.term.wraps is not None:
-                built[t.term.name] = t.term.module(t, dataclasses.replace(context, terms=dict(built)))
+            if t.term.name in over:
+                built[t.term.name] = t.term(t, dataclasses.replace(context, terms=dict(built)))
         self.terms = nn.ModuleDict({t.term.name: built[t.term.name] for t in plan.terms})  # config order
 
     @property
@@ -466,7 +507,7 @@ class TrainLoss(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------- config
-def parse_terms(entries: list[dict[str, Any]], registry: dict[str, Term]) -> list[WeightedTerm]:
+def parse_terms(entries: list[dict[str, Any]], registry: dict[str, type[LossTerm]]) -> list[WeightedTerm]:
     """The config's ``loss`` list as weighted terms; every mistake a ConfigError naming the entry."""
     from pipeline.config import from_dict
 
@@ -492,7 +533,8 @@ def parse_terms(entries: list[dict[str, Any]], registry: dict[str, Term]) -> lis
                 "remove the term to turn it off"
             )
         term = registry[name]
-        out.append(WeightedTerm(term, from_dict(term.config, fields, prefix=f"{key}.{name}."), float(weight)))
+        config = from_dict(term.config_class, fields, prefix=f"{key}.{name}.")
+        out.append(WeightedTerm(term, config, float(weight)))
     seen = [t.term.name for t in out]
     if len(set(seen)) != len(seen):
         raise ConfigError(f"loss: a term appears twice ({', '.join(seen)}); merge the entries")
@@ -502,8 +544,7 @@ def parse_terms(entries: list[dict[str, Any]], registry: dict[str, Term]) -> lis
             f"loss: {' and '.join(main)} each decide the batch's data and views; keep one of them"
         )
     for t in out:
-        if t.term.wraps is not None:  # a term over the others (matryoshka) checks that they fit
-            t.term.wraps(t.config, out)
+        t.term.wraps(t.config, out)  # a term over the others (matryoshka) checks that they fit
     return out
 
 

@@ -453,13 +453,13 @@ class TrainConfig:
 
 def term_fields(term: Any) -> str:
     """``{field: default, ...}`` of a term's config, for --help."""
-    return "{" + ", ".join(f"{k}: {v}" for k, v in to_dict(term.config()).items()) + "}"
+    return "{" + ", ".join(f"{k}: {v}" for k, v in to_dict(term.config_class()).items()) + "}"
 
 
 LOSS_HELP = (
     "The loss: a list of weighted terms, each `{TERM: {fields}, weight: W}` (docs/objectives.md), e.g. "
     "[{distill: {loss: cosine}, weight: 1.0}]. Terms: "
-    + "; ".join(f"{name} {term_fields(t)}: {t.summary}" for name, t in TERMS.items())
+    + "; ".join(f"{name} {term_fields(t)}: {t.summary()}" for name, t in TERMS.items())
     + "."
 )
 
@@ -506,7 +506,7 @@ class Config:
             )
         one_view = (  # a term that also reads pair shards (luse): the plan checks it against the data
             loss.main is not None and loss.main.uses_variants and d.num_variants + d.num_dropout_views < 1
-        ) and loss.main.pair_views is None
+        ) and not loss.main.trains_on_pairs
         if one_view and not loss.needs.teacher_positive:
             raise ConfigError(
                 f"{loss.main.name} needs at least one positive: set data.num_variants or num_dropout_views "
@@ -532,7 +532,7 @@ class Config:
             )
         if d.num_hard_negatives and not loss.reads(HARD_NEGATIVES):
             raise ConfigError(
-                "no loss term takes hard negatives (luse does); set data.num_hard_negatives to 0"
+                "no loss term takes hard negatives (luse and pairs do); set data.num_hard_negatives to 0"
             )
         if loss.reads(MLM_LOGITS) and t.gradcache_chunk_size:
             raise ConfigError(

@@ -1,4 +1,5 @@
-"""``python -m pipeline pairs RAW_FILES... --out shards/pairs``: the pairs the corpus's records give.
+"""``python -m pipeline pairs RAW_FILES... --out shards/pairs``: the pairs the corpus's records give; with
+``--format flag|columns``, the pairs of a user's own files (``user.py``, docs/pairs.md "Your own pairs").
 
 preprocess's sibling (docs/pairs.md): a corpus stage (``pipeline/stages/corpus``: the same inputs,
 readers, work units, phases, restart rules and SLURM arrays as preprocess) and preprocess's cleaning
@@ -13,7 +14,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.config import option
 from pipeline.data.eval_overlap import eval_files
@@ -36,6 +37,15 @@ class Config(CorpusConfig):
     inputs: list[Path] = option(
         factory=list,
         help="Input files, directories or globs (JSON lines of the five collections; .gz/.bz2/.zip).",
+    )
+    format: Literal["corpus", "flag", "columns"] = option(
+        "corpus",
+        "corpus: the raw collections' records; flag: FlagEmbedding JSON lines {query, pos, neg, prompt}; "
+        "columns: sentence-transformers columns (anchor/positive[/negative...], query/answer, "
+        "sentence1/sentence2[/label]) in .jsonl, .csv, .tsv or .parquet, gzip or not.",
+    )
+    min_label: float | None = option(
+        None, "--format columns with a label (or score) column: keep the rows labelled >= this as pairs."
     )
     out: Path = option(Path("data/pairs"), "Output directory for shard-*.tar and manifest.json.")
     min_anchor_chars: int = option(2, "Drop pairs whose anchor (title, question) is shorter (characters).")
@@ -94,6 +104,12 @@ class Config(CorpusConfig):
 
 
 def run(cfg: Config) -> int:
+    if cfg.format != "corpus":  # a user's own pair files
+        from pipeline.stages.pairs import user
+
+        return user.run(cfg)
+    if cfg.min_label is not None:
+        raise ConfigError("--min_label reads a label column of --format columns; the corpus has none")
     return template.run(cfg, STAGE)
 
 
