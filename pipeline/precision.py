@@ -2,8 +2,9 @@
 
 bf16 autocast pays on a CPU only where its matrix products run in bf16 natively: AMX-BF16 (Intel Xeon
 from Sapphire Rapids) or AVX512-BF16 (Cooper Lake, AMD Zen 4 and later). Elsewhere oneDNN emulates bf16
-and a bf16 step is several times slower than fp32: e5-small's forward 4.6x on a 2-core AMD EPYC with
-AVX2, a linear layer 7x with the ISA forced to AVX2 (docs/BENCHMARKS.md, "CPU precision"). So one place
+and bf16 is several times slower than fp32: e5-small's forward 4.6x on a 2-core AMD EPYC with AVX2; with
+the ISA held to AVX2, the teacher stage 3.8x and the distillation step 24x (docs/BENCHMARKS.md, "CPU
+precision"). So one place
 decides: ``auto`` is bf16 on a CPU with native bf16 and fp32 on any other, for training
 (``train.mixed_precision``), the teacher stage, evaluation and the report; an explicit bf16 on a CPU
 without native bf16 still runs, after one warning that names the cost.
@@ -52,7 +53,7 @@ NATIVE_BF16_CAPS = frozenset(
     }
 )
 # What an emulated bf16 costs, for the warning (docs/BENCHMARKS.md, "CPU precision").
-EMULATED_COST = "bf16 is emulated there, 4-7x slower than fp32"
+EMULATED_COST = "bf16 is emulated there: about 4x slower than fp32 to encode, 25x to train"
 
 
 @dataclass(frozen=True)
