@@ -168,6 +168,15 @@ BUNDLED_SHARDS = {f"runs/sample/{name}" for name in ("augmented", "teacher", "to
 # them from ../shared/data/pairs beside the project root, through the command their header gives.
 SHARED_PAIRS = Path(os.environ.get("PIPELINE_PAIRS_DIR", REPO.parent / "shared" / "data" / "pairs"))
 COMMAND = re.compile(r"python -m pipeline decontaminate (\S+)(?: --triples)? --out (\S+)")
+# Shard sets built from the user's own data by a stage that drops scored-set sentences by default
+# (``exclude_eval``): the cluster chain's preprocess (README's "On a GPU cluster") and ``pipeline pairs
+# --format`` on the user's pair file (byo_pairs.yaml's header). Checked: the stage's default is on and no
+# command that builds them turns it off.
+USER_SHARDS = {
+    "runs/cluster/tokenized": ("pipeline.stages.preprocess.run", REPO / "README.md"),
+    "runs/my-pairs/shards": ("pipeline.stages.pairs.run", None),
+}
+EXCLUDE_OFF = re.compile(r"--exclude_eval[= ](false|no|0)\b", re.IGNORECASE)
 
 
 def _training_files(config: Path) -> list[tuple[str, str]]:
@@ -184,6 +193,15 @@ def test_every_shipped_config_trains_on_files_free_of_the_evaluation_sets(config
     the shared labelled file) and what it writes overlaps the evaluation sets in no sentence."""
     keys = eval_keys()
     for key, name in _training_files(config):
+        if key == "shards" and name in USER_SHARDS:
+            import importlib
+
+            module, doc = USER_SHARDS[name]
+            stage = importlib.import_module(module).Config
+            assert stage.__dataclass_fields__["exclude_eval"].default is True, f"{module}: exclude_eval off"
+            for text in (config.read_text(encoding="utf-8"), doc.read_text(encoding="utf-8") if doc else ""):
+                assert not EXCLUDE_OFF.search(text), f"{config.name}: a command that builds {name} keeps eval"
+            continue
         if key == "shards":
             assert name in BUNDLED_SHARDS, f"{config.name}: data.shards {name} is not from the bundled corpus"
             continue
@@ -191,10 +209,12 @@ def test_every_shipped_config_trains_on_files_free_of_the_evaluation_sets(config
         commands = {out: src for src, out in COMMAND.findall(config.read_text(encoding="utf-8"))}
         assert name in commands, f"{config.name}: no `pipeline decontaminate ... --out {name}` in its header"
         src = commands[name]
-        if not src.startswith("../shared/data/pairs/"):  # the user's own file (sup_simcse's NLI triples)
-            assert Path(src).stem.isupper(), f"{config.name}: {src}: not shared, no placeholder"
-            continue
-        source = SHARED_PAIRS / src.removeprefix("../shared/data/pairs/")
+        # the header's source: the shared copy, the user's download of a shared file (the same name), or
+        # a placeholder for the user's own file (sup_simcse's NLI triples)
+        source = SHARED_PAIRS / (src.removeprefix("../shared/data/pairs/") if src.startswith("../shared/")
+                                 else Path(src).name)  # fmt: skip
+        if not src.startswith("../shared/data/pairs/") and Path(src).stem.isupper():
+            continue  # a placeholder for the user's own file
         if not source.is_file():
             pytest.skip(f"{source} is not here (set PIPELINE_PAIRS_DIR to the shared pairs folder)")
         out = tmp_path / Path(name).name
