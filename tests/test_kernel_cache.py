@@ -39,6 +39,16 @@ def test_each_capability_gets_its_own_folder(monkeypatch):
     assert os.path.dirname(folders[0]) == os.path.dirname(folders[1])
 
 
+def test_the_default_folder_inductor_wrote_itself_counts_as_unset(monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    _unset(monkeypatch)
+    assert cache_dir() == os.path.abspath(default_cache_dir())  # what a trace before any compile leaves set
+    folder = compile_mod.kernel_cache_dir()
+    assert os.path.dirname(folder) == os.path.abspath(default_cache_dir())
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == folder
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="AVX2 is an x86-64 capability")
 def test_a_capped_process_uses_the_capped_folder():
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}

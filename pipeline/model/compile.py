@@ -36,13 +36,17 @@ def kernel_cache_dir() -> str:
     """Inductor's cache folder for this machine's instruction sets: ``TORCHINDUCTOR_CACHE_DIR`` when the
     user set it, else inductor's default folder with a subfolder named for ATen's CPU capability and the
     vector ISA inductor compiles for (``avx2-avx2``, ``avx512-avx512_avx512_vnni_amx_tile``), which both
-    follow ``ATEN_CPU_CAPABILITY``. Set in the environment, so compile workers inherit it."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    follow ``ATEN_CPU_CAPABILITY``. Set in the environment, so compile workers inherit it.
+
+    Inductor writes its default folder into ``TORCHINDUCTOR_CACHE_DIR`` the first time anything in the
+    process asks for a cache (an ``aot_eager`` trace does), so that value counts as unset."""
     import torch
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given and os.path.abspath(given) != os.path.abspath(default_cache_dir()):
+        return given
     isa = f"{torch.backends.cpu.get_cpu_capability()}-{pick_vec_isa() or 'novec'}".lower()
     folder = os.path.join(default_cache_dir(), re.sub(r"[^a-z0-9_.-]+", "_", isa))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
