@@ -7,9 +7,11 @@ pipeline internals: a benchmark drives the pipeline through its commands and con
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -78,6 +80,22 @@ def quiet_env(threads: int = 1) -> dict[str, str]:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
         "TOKENIZERS_PARALLELISM": "false",
     }
+
+
+def run_logged(*cmd: str, log: Path | None = None) -> None:
+    """Run ``cmd`` from the repository root, echoed first; its output to ``log`` when given. Fails loudly."""
+    print("+", " ".join(cmd), flush=True)
+    if log is None:
+        subprocess.run(cmd, check=True, cwd=ROOT)
+        return
+    with open(log, "w") as f:
+        subprocess.run(cmd, check=True, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+
+
+def hash_share(key: str) -> float:
+    """``key``'s place in [0, 1) by an 8-byte BLAKE2b digest: a held-out split that no order changes."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
 
 
 def pretrain_command(config: Path, run_dir: Path, *overrides: str) -> list[str]:

@@ -29,10 +29,8 @@ graded 0-3. Stages (each skipped when its output exists, so a rerun continues):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -41,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from _common import mean_std  # noqa: E402
+from _common import hash_share, mean_std, run_logged  # noqa: E402
 
 from pipeline.evaluate.sts import STS_SETS as SETS  # noqa: E402
 
@@ -54,17 +52,7 @@ EVAL_DIR = SHARED / "eval"  # what is scored: every split of the five sets
 
 
 def held_out(query: str, share: float, seed: int) -> bool:
-    digest = hashlib.blake2b(f"{seed}\x1f{query}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64 < share
-
-
-def sh(*cmd: str, log: Path | None = None) -> None:
-    print("+", " ".join(cmd), flush=True)
-    if log is None:
-        subprocess.run(cmd, check=True, cwd=REPO)
-        return
-    with open(log, "w") as f:
-        subprocess.run(cmd, check=True, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+    return hash_share(f"{seed}\x1f{query}") < share
 
 
 def prepare(args: argparse.Namespace) -> None:
@@ -110,7 +98,7 @@ def prepare(args: argparse.Namespace) -> None:
               f"{sum(len(r['pos']) for r in train):,} positives; {left_out} titles left out as held-out "
               f"ones), {len(heldout):,} held-out queries")  # fmt: skip
     if not (out / "shards" / "manifest.json").exists():
-        sh(PY, "-m", "pipeline", "pairs", "--format", "flag", str(out / "train.jsonl"), "--out",
+        run_logged(PY, "-m", "pipeline", "pairs", "--format", "flag", str(out / "train.jsonl"), "--out",
            str(out / "shards"), "--eval_dir", str(args.eval_dir), "--progress", "false")  # fmt: skip
 
 
@@ -124,7 +112,7 @@ def run(args: argparse.Namespace) -> None:
                f"--data.shards={args.out / 'shards'}", f"--model.name_or_path={args.model}",
                f"--data.num_hard_negatives={args.negatives}", f"--train.max_steps={args.steps}",
                f"--train.seed={seed}", "--train.eval_every=0", f"--run_dir={run_dir}"]  # fmt: skip
-        sh(*cmd, log=run_dir / "train.log")
+        run_logged(*cmd, log=run_dir / "train.log")
 
 
 def score(args: argparse.Namespace) -> None:
@@ -142,7 +130,7 @@ def score(args: argparse.Namespace) -> None:
                str(args.out / "heldout.tsv"), "--progress", "false", "--out", str(out)]  # fmt: skip
         if args.max_pairs:
             cmd += ["--max_pairs", str(args.max_pairs)]
-        sh(*cmd, log=args.out / "scores" / f"{name}.log")
+        run_logged(*cmd, log=args.out / "scores" / f"{name}.log")
 
 
 def report(args: argparse.Namespace) -> None:

@@ -44,10 +44,8 @@ Later sessions ran, on the same prepared data (``prepare --per-source 2000 --top
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -56,7 +54,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import pairs_convert  # noqa: E402
-from _common import mean_std  # noqa: E402
+from _common import hash_share, mean_std, run_logged  # noqa: E402
 
 from pipeline.evaluate.sts import STS_SETS as SETS  # noqa: E402
 
@@ -77,17 +75,7 @@ SOURCES = {
 
 
 def held_out(group: str, share: float) -> bool:
-    digest = hashlib.blake2b(group.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64 < share
-
-
-def sh(*cmd: str, log: Path | None = None) -> None:
-    print("+", " ".join(cmd), flush=True)
-    if log is None:
-        subprocess.run(cmd, check=True, cwd=REPO)
-        return
-    with open(log, "w") as f:
-        subprocess.run(cmd, check=True, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+    return hash_share(group) < share
 
 
 def prepare(args: argparse.Namespace) -> None:
@@ -116,7 +104,7 @@ def prepare(args: argparse.Namespace) -> None:
         (raw / "done").write_text("")
     pairs = OUT / "pairs"
     if not (pairs / "manifest.json").exists():
-        sh(
+        run_logged(
             PY,
             "-m",
             "pipeline",
@@ -130,7 +118,7 @@ def prepare(args: argparse.Namespace) -> None:
     for k in args.top_k:
         out = OUT / f"pairs_t{k}"
         if not (out / "manifest.json").exists():
-            sh(
+            run_logged(
                 PY,
                 "-m",
                 "pipeline",
@@ -225,7 +213,7 @@ def run(args: argparse.Namespace) -> None:
                 continue
             run_dir.mkdir(parents=True, exist_ok=True)
             cmd = [PY, "launch/pretrain.py", *arm_args(arm, seed, args.steps), f"--run_dir={run_dir}"]
-            sh(*cmd, log=run_dir / "train.log")
+            run_logged(*cmd, log=run_dir / "train.log")
 
 
 def score(args: argparse.Namespace) -> None:
@@ -254,7 +242,7 @@ def score(args: argparse.Namespace) -> None:
             *[f for r in retrieval for f in ("--retrieval", r)],
         ]
         out.parent.mkdir(parents=True, exist_ok=True)
-        sh(*cmd, log=OUT / "scores" / f"{name}.log")
+        run_logged(*cmd, log=OUT / "scores" / f"{name}.log")
 
 
 def report(args: argparse.Namespace) -> None:
