@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -174,7 +175,7 @@ def test_under_deepspeed_a_nan_batch_is_skipped_and_counted(tmp_path, shards, mo
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():  # fmt: skip
         monkeypatch.setenv(key, value)
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext")))
     poisoned = Poison([(0, 3)])
     overrides = {"train.deepspeed_config": "launch/deepspeed/zero2.json", "train.max_steps": 6}
     code, dump = train(cfg_for(tmp_path, shards, "ds", **overrides), poisoned)
