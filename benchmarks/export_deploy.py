@@ -1,4 +1,4 @@
-"""The export a user deploys (issue 34): retrieval prompts, ONNX / int8 fidelity, quality and CPU speed.
+"""The export a user deploys: retrieval prompts, ONNX / int8 fidelity, quality and CPU speed.
 
     # recall@10 of query -> document with e5's document prompt vs today's query prefix on both sides
     python benchmarks/export_deploy.py retrieval --model models/e5-small \

@@ -1,4 +1,4 @@
-"""What the fine-tuning evaluation costs: one model, every task, both regimes, one seed (issue 26).
+"""What the fine-tuning evaluation costs: one model, every task, both regimes, one seed.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/finetune_cost.py --model MODEL --out /tmp/ftcost [ARGS...]
 

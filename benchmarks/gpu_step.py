@@ -1,4 +1,4 @@
-"""The real training step as the GPU benchmark (issue 41, Build item 1 and "On a GPU").
+"""The real training step as the GPU benchmark.
 
 Two subcommands:
 

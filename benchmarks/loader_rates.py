@@ -1,5 +1,5 @@
 """The training loader at GPU rates: the real BatchStream with 0/1/2/4/8 workers, pinned or not, with and
-without the teacher column, padding pre-tokenised ids vs tokenising on the fly (issue 41, Build item 6).
+without the teacher column, padding pre-tokenised ids vs tokenising on the fly.
 
 Each cell builds the trainer's own pieces (``ViewCollator``, ``ShardSource``, ``BatchStream``, as
 ``pipeline.data.build.build_stream`` does for sentence shards), iterates one epoch and counts the steady

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The LUSE trial (issue 26, docs/BENCHMARKS.md "LUSE trial"): does pretraining the main job's 4-layer
+# The LUSE trial (docs/BENCHMARKS.md "The LUSE trial"): does pretraining the main job's 4-layer
 # e5-small cut with LUSE (or SimCSE, or distillation, or distillation then LUSE) give a better encoder
 # to fine-tune? Every arm starts from runs/sample/student and reads runs/sample/teacher (run
 # launch/run_sample.sh first, or its stages up to `teacher`), at equal compute: the same number of

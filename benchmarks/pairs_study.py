@@ -1,4 +1,4 @@
-"""Issue 35's study: what training on the corpus's structured pairs adds to the main job's student.
+"""The pairs study: what training on the corpus's structured pairs adds to the main job's student.
 
 Stages (each skipped when its output exists, so a rerun continues):
 

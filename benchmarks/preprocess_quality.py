@@ -5,7 +5,7 @@
 
 Each file is read as plain lines (one paragraph per line), cleaned, split and filtered with the
 default options by this checkout's ``pipeline.stages.preprocess.text`` and, with ``--baseline``, by the
-baseline's (loaded from its file), and the kept sentences are checked for what issue 23 asks:
+baseline's (loaded from its file), and the kept sentences are checked for:
 
   markup        kept sentences with "-{", "}-", an HTML tag or an HTML entity
   leading       kept sentences that start with a closing mark, a comma or an enumeration comma

@@ -1,4 +1,4 @@
-"""Quality study (issue 7): which objective gives the better from-scratch sentence encoder?
+"""Quality study: which objective gives the better from-scratch sentence encoder?
 
 Every trained condition starts from the same random small BERT (``launch/configs/luse_scratch.yaml``'s
 model) on the same augmented shards, with the SAME compute: equal optimizer steps and equal encoded
@@ -119,7 +119,7 @@ def luse_views(k: int, d: int) -> tuple[str, ...]:
 
 
 def student_conditions() -> dict[str, Condition]:
-    """The distillation study (issue 15): a 4-layer cut of e5-small, the 12-layer teacher beside it."""
+    """The distillation study: a 4-layer cut of e5-small, the 12-layer teacher beside it."""
     distill = {"distill": {"loss": "cosine"}}  # launch/configs/distill.yaml's term
     rows = [
         Condition("tfidf", "char TF-IDF (no training)", kind="tfidf"),
@@ -178,7 +178,7 @@ def student_conditions() -> dict[str, Condition]:
             1,
             "--model.random_init=true",
         ),  # fmt: skip
-        # issue 25: the main job's row on the same teacher vectors stored as int8 + a per-row scale
+        # the main job's row on the same teacher vectors stored as int8 + a per-row scale
         Condition(
             "s_distill_int8",
             "embedding distillation, teacher vectors stored int8 (main job)",
@@ -531,8 +531,8 @@ def main() -> None:
     )
     p.add_argument(
         "--study", choices=("scratch", "student"), default="scratch",
-        help="scratch: objectives from a random small BERT (issue 7); student: distillation of a cut of "
-        "e5-small on teacher shards (issue 15; needs --student and --teacher)",
+        help="scratch: objectives from a random small BERT; student: distillation of a cut of "
+        "e5-small on teacher shards (needs --student and --teacher)",
     )  # fmt: skip
     p.add_argument("--student", type=Path, default=Path("runs/sample/student"), help="student folder")
     p.add_argument("--teacher", type=Path, default=Path("models/e5-small"), help="teacher folder")

@@ -1,4 +1,4 @@
-"""The bytes outside the encoder (issue 41, item 5) on CPU: the embedding table's share of the optimizer
+"""The bytes outside the encoder on CPU: the embedding table's share of the optimizer
 step, and the MLM head at every position against the head on the selected positions only.
 
 The main job's step as ``benchmarks/step_layouts.py`` builds it (by default the 4-layer student of
@@ -75,7 +75,7 @@ def step(module: TrainModule, optimizer: torch.optim.Optimizer, batch: Batch, te
 
 def old_momentum_update(copy: torch.nn.Module, online: torch.nn.Module, momentum: float,
                         apply: torch.Tensor) -> None:  # fmt: skip
-    """The update under a device verdict before issue 41: an out-of-place lerp, kept with torch.where."""
+    """The update under a device verdict as first written: an out-of-place lerp, kept with torch.where."""
     with torch.no_grad():
         targets = list(copy.parameters())
         new = torch._foreach_lerp(targets, [q.detach() for q in online.parameters()], 1.0 - momentum)

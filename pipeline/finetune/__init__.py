@@ -1,4 +1,4 @@
-"""Fine-tuning evaluation (issue 26 item 1): the seed's TrainBERT / FreezeBERT protocol.
+"""Fine-tuning evaluation: the seed's TrainBERT / FreezeBERT protocol.
 
 ``python -m pipeline finetune MODEL`` fine-tunes a copy of the encoder on small labelled tasks
 (classification: a linear head and cross-entropy; similarity: the two sentences encoded separately,

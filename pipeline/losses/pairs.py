@@ -1,5 +1,5 @@
 """InfoNCE over the corpus's structure pairs (title <-> body, question <-> answer, zh <-> en), in both
-directions, with in-batch and cross-device negatives and group masking (issue 35, docs/pairs.md,
+directions, with in-batch and cross-device negatives and group masking (docs/pairs.md,
 "Training on pairs").
 
 A batch of pair shards (``pipeline pairs``) holds B_local pairs per rank: anchors a_i and positives p_i,
