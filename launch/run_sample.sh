@@ -11,6 +11,8 @@
 #   MAX_PAIRS=2000 bash launch/run_sample.sh   # evaluate on 2,000 pairs per set instead of all
 #   PRECISION=fp32 bash launch/run_sample.sh   # every stage in fp32 (auto: bf16 autocast only on a CPU with
 #                                              # native bf16, AMX-BF16 or AVX512-BF16; fp32 on any other)
+#   REFERENCES=1 bash launch/run_sample.sh     # also evaluate the teacher and the student before training
+#                                              # (auto: on a CPU with native bf16 only; 0: never)
 #   EXTRA_TEXT="q.txt t.txt" EXTRA_MAX=20000 bash launch/run_sample.sh   # more distillation text
 #     (files preprocess reads, space-separated; at most EXTRA_MAX lines of each; docs/guide.md)
 set -euo pipefail
@@ -24,6 +26,13 @@ PY=${PYTHON:-.venv/bin/python}
 PRECISION=${PRECISION:-auto}
 case "$PRECISION" in auto | fp32 | bf16) ;; *)
   echo "run_sample: PRECISION=$PRECISION: use auto, fp32 or bf16" >&2; exit 2 ;;
+esac
+# The reference evaluations: the teacher (once per MODEL folder) and the student before training, scored
+# beside the trained one. auto runs them on a CPU with native bf16; on any other they would add about a third
+# to the job's time (docs/BENCHMARKS.md, "Time and memory"), so auto skips them there and says so.
+REFERENCES=${REFERENCES:-auto}
+case "$REFERENCES" in auto | 0 | 1) ;; *)
+  echo "run_sample: REFERENCES=$REFERENCES: use auto, 1 or 0" >&2; exit 2 ;;
 esac
 OUT=${OUT:-runs/sample}
 NPROC=${NPROC:-1}
@@ -134,18 +143,29 @@ else
 fi
 "$PY" -m accelerate.commands.launch "${LAUNCH[@]}" launch/pretrain.py "${TRAIN_ARGS[@]}"
 
-# The five STS sets (all pairs unless MAX_PAIRS is set), for the untrained student, the teacher (once per
-# MODEL folder: its scores stand beside the student's in the model card) and the exported (best STS-B valid)
-# model, with the char TF-IDF floor on the same pairs; then the report. Results go beside the run. The work
-# runs in two lanes side by side, each with half the cores (two processes on two cores wait on each other
-# less than two threads of one process do), balanced so that no core idles while work waits: the teacher's
-# 12 layers in one lane, the two 6-layer students and the report in the other. Each lane prints its progress
-# as plain lines, prefixed with its name.
-stage "evaluate the students and the teacher on the five STS sets; report"
+# The five STS sets (all pairs unless MAX_PAIRS is set), for the exported (best STS-B valid) model, with the
+# char TF-IDF floor on the same pairs, and with REFERENCES for the untrained student and the teacher (once per
+# MODEL folder: its scores stand beside the student's in the model card); then the report. Results go beside
+# the run. With references the work runs in two lanes side by side, each with half the cores (two processes
+# on two cores wait on each other less than two threads of one process do), balanced so that no core idles
+# while work waits: the teacher's 12 layers in one lane, the two 6-layer students and the report in the
+# other. Each lane prints its progress as plain lines, prefixed with its name.
+stage "evaluate on the five STS sets; report"
+if [ "$REFERENCES" = auto ]; then
+  read -r BF16 WHY <<< "$("$PY" -m pipeline.precision)"
+  REFERENCES=0
+  if [ "$BF16" = native ]; then REFERENCES=1; fi
+  if [ "$REFERENCES" = 0 ] && { [ ! -f "$MODEL/eval/eval.json" ] || [ ! -f "$OUT/student_eval/eval.json" ]; }; then
+    echo "run_sample: the teacher and the untrained student are not evaluated: $WHY, where they would add" \
+      "about a third to the job's time; REFERENCES=1 bash launch/run_sample.sh evaluates them"
+  fi
+fi
 LANE_A=() LANE_B=()
-if [ ! -f "$MODEL/eval/eval.json" ]; then LANE_A+=(teacher); fi
-if [ ! -f "$OUT/student_eval/eval.json" ]; then
-  if [ ${#LANE_A[@]} -eq 0 ]; then LANE_A+=(untrained); else LANE_B+=(untrained); fi
+if [ "$REFERENCES" = 1 ]; then
+  if [ ! -f "$MODEL/eval/eval.json" ]; then LANE_A+=(teacher); fi
+  if [ ! -f "$OUT/student_eval/eval.json" ]; then
+    if [ ${#LANE_A[@]} -eq 0 ]; then LANE_A+=(untrained); else LANE_B+=(untrained); fi
+  fi
 fi
 LANE_B+=(trained report)
 THREADS=$(nproc)

@@ -156,3 +156,19 @@ def warn_emulated(what: str, why: str) -> None:
         '%s=bf16 on a CPU with %s: %s (docs/BENCHMARKS.md, "CPU precision"); auto picks fp32 here',
         what, why, EMULATED_COST,
     )  # fmt: skip
+
+
+def main() -> None:
+    """``python -m pipeline.precision``: one line, ``native WHY`` or ``emulated WHY``, for shell scripts
+    that choose from the machine (launch/run_sample.sh's reference evaluations)."""
+    import sys
+
+    try:
+        found = cpu_bf16()
+    except ConfigError as e:
+        sys.exit(f"precision: {e}")
+    print(f"{'native' if found.native else 'emulated'} {found.why}")
+
+
+if __name__ == "__main__":
+    main()

@@ -85,6 +85,26 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
 QUEUE_TIMEOUT = 1800.0
 
 
+# Pending reasons that no wait clears: the job asks for more than the node or partition has.
+NEVER_STARTS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints"}
+
+
+def refuse_never_starting(env: dict[str, str], job_id: str, states: list[str]) -> None:
+    """Fail at once, not after QUEUE_TIMEOUT, when every task is pending for a reason no wait clears."""
+    if not states or any(s != "PENDING" for s in states):
+        return
+    info = job_info(env, job_id)
+    if info.get("Reason") in NEVER_STARTS:
+        subprocess.run(["scancel", job_id], env=env)
+        node = subprocess.run(["scontrol", "-o", "show", "node"], env=env, capture_output=True, text=True)
+        cpus = re.findall(r"CPUTot=(\d+)", node.stdout)
+        raise AssertionError(
+            f"job {job_id} can never start ({info['Reason']}): it asks for {info.get('NumCPUs')} CPUs, "
+            f"{info.get('NumNodes')} node(s); the local node has CPUTot={','.join(cpus) or '?'} "
+            "(restart it: bash launch/slurm/local_cluster.sh stop; bash launch/slurm/local_cluster.sh start)"
+        )
+
+
 def wait_for_job(env: dict[str, str], job_id: str, timeout: float, log: Path | None = None) -> dict[str, str]:
     """Poll until every task of ``job_id`` is in a final state; returns the first task's info.
 
@@ -96,6 +116,7 @@ def wait_for_job(env: dict[str, str], job_id: str, timeout: float, log: Path | N
         states = array_states(env, job_id)
         if states and all(s in FINAL_STATES for s in states):
             return job_info(env, job_id)
+        refuse_never_starting(env, job_id, states)
         time.sleep(1)
         now = time.monotonic()
         if states and all(s == "PENDING" for s in states):
@@ -119,6 +140,7 @@ def wait_for_start(env: dict[str, str], job_id: str) -> None:
         states = array_states(env, job_id)
         if states and any(s != "PENDING" for s in states):
             return
+        refuse_never_starting(env, job_id, states)
         time.sleep(1)
     info = job_info(env, job_id)
     raise AssertionError(f"job {job_id} was still pending after {QUEUE_TIMEOUT:.0f} s: {info}")

@@ -182,3 +182,22 @@ def test_a_run_records_what_auto_chose_and_resumes_it_exactly_on_another_cpu(
     assert "precision fp32 (train.mixed_precision=auto: no native bf16 (this CPU has neither" in start_line(
         caplog
     )
+
+
+@pytest.mark.parametrize(
+    ("pin", "said"),
+    [
+        ("1", "native native bf16 (PIPELINE_CPU_BF16=1)"),
+        ("0", "emulated no native bf16 (PIPELINE_CPU_BF16=0)"),
+    ],
+)
+def test_the_shell_line_gives_the_answer_and_why(monkeypatch, capsys, pin, said):
+    """``python -m pipeline.precision``: the line launch/run_sample.sh reads to choose its reference
+    evaluations; a wrong pin is one line on stderr and exit status 1, not a traceback."""
+    monkeypatch.setenv(precision.OVERRIDE, pin)
+    precision.main()
+    assert capsys.readouterr().out == said + "\n"
+    monkeypatch.setenv(precision.OVERRIDE, "yes")
+    with pytest.raises(SystemExit) as stop:
+        precision.main()
+    assert str(stop.value).startswith("precision: PIPELINE_CPU_BF16='yes': use 0")

@@ -42,12 +42,22 @@ def test_training_names_the_teacher_folder(tmp_path):
     assert not matches(recorded, "e5-small")  # the config's name alone: the error this run used to stop on
 
 
-def _stub_run(tmp_path, cores: int, **env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
-    """run_sample.sh with every stage a stub and ``nproc`` answering ``cores``: the commands it ran."""
+NATIVE = "native native bf16 (AMX-BF16)"  # what `python -m pipeline.precision` prints on such a CPU
+EMULATED = "emulated no native bf16 (this CPU has neither AMX-BF16 nor AVX512-BF16)"
+
+
+def _stub_run(
+    tmp_path, cores: int, bf16: str = NATIVE, **env: str
+) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """run_sample.sh with every stage a stub, ``nproc`` answering ``cores`` and the CPU check ``bf16``: the
+    commands it ran."""
     log, bin_dir = tmp_path / "commands.log", tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     shim = tmp_path / "python"
-    shim.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$*" >> {log}\necho "working on $4" >&2\n')
+    shim.write_text(
+        f'#!/usr/bin/env bash\nprintf "%s\\n" "$*" >> {log}\n'
+        f'if [ "$2" = pipeline.precision ]; then echo "{bf16}"; exit; fi\necho "working on $4" >&2\n'
+    )
     (bin_dir / "nproc").write_text(f"#!/usr/bin/env bash\necho {cores}\n")
     for f in (shim, bin_dir / "nproc"):
         f.chmod(0o755)
@@ -73,7 +83,7 @@ def _evals(commands: list[str]) -> dict[str, str]:
 
 
 def test_every_stage_gets_the_machines_precision_and_the_evaluations_share_the_cores(tmp_path):
-    proc, commands = _stub_run(tmp_path, cores=4)
+    proc, commands = _stub_run(tmp_path, cores=4)  # a CPU with native bf16: the references run
     assert proc.returncode == 0, proc.stderr[-2000:]
     evals = _evals(commands)
     assert set(evals) == {"teacher", "untrained", "trained", "report"}
@@ -106,4 +116,29 @@ def test_precision_fp32_reaches_every_stage_and_a_wrong_one_stops_at_once(tmp_pa
     assert all("--precision fp32" in c for c in _evals(commands).values())
     proc, commands = _stub_run(tmp_path, cores=2, PRECISION="fp16")
     assert proc.returncode == 2 and "PRECISION=fp16: use auto, fp32 or bf16" in proc.stderr
+    assert commands == []
+
+
+def test_references_follow_the_cpu_unless_asked(tmp_path):
+    """REFERENCES=auto evaluates the teacher and the untrained student only on a CPU with native bf16; on
+    any other it says why it skips them and how to have them; 1 and 0 decide whatever the CPU."""
+    proc, commands = _stub_run(tmp_path, cores=2, bf16=EMULATED)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    evals = _evals(commands)
+    assert set(evals) == {"trained", "report"} and "--threads 2" in evals["trained"]  # one lane, every core
+    said = [line for line in proc.stdout.splitlines() if "not evaluated" in line]
+    assert len(said) == 1 and "neither AMX-BF16 nor AVX512-BF16" in said[0] and "REFERENCES=1" in said[0]
+    proc, commands = _stub_run(tmp_path, cores=2, bf16=EMULATED, REFERENCES="1")
+    assert set(_evals(commands)) == {"teacher", "untrained", "trained", "report"}
+    assert "not evaluated" not in proc.stdout
+    proc, commands = _stub_run(tmp_path, cores=2, REFERENCES="0")  # native bf16, references refused
+    assert set(_evals(commands)) == {"trained", "report"} and "not evaluated" not in proc.stdout
+    # both cached already: nothing skipped, so nothing said
+    for folder in (tmp_path / "e5-small" / "eval", tmp_path / "out" / "student_eval"):
+        folder.mkdir(parents=True)
+        (folder / "eval.json").write_text("{}")
+    proc, commands = _stub_run(tmp_path, cores=2, bf16=EMULATED)
+    assert set(_evals(commands)) == {"trained", "report"} and "not evaluated" not in proc.stdout
+    proc, commands = _stub_run(tmp_path, cores=2, REFERENCES="yes")
+    assert proc.returncode == 2 and "REFERENCES=yes: use auto, 1 or 0" in proc.stderr
     assert commands == []

@@ -19,9 +19,10 @@ set -euo pipefail
 
 STATE=${SLURM_LOCAL_DIR:-/tmp/slurm-local}
 CONF=$STATE/etc/slurm.conf
-# GNU nproc honours OMP_NUM_THREADS: a cluster started from `OMP_NUM_THREADS=1 pytest` had one CPU and
-# every 2-task test job stayed pending (PartitionConfig).
-CPUS=${SLURM_LOCAL_CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
+# The machine's CPUs, not this process's share: plain nproc honours OMP_NUM_THREADS and the CPU affinity, so a
+# cluster started from `OMP_NUM_THREADS=1 pytest` or `taskset -c 1 bash launch/test.sh` had one CPU and every
+# 2-task test job stayed pending (PartitionConfig). Under taskset the daemons and their jobs keep the mask.
+CPUS=${SLURM_LOCAL_CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc --all)}
 # Memory the node offers (MB): without it SLURM assumes 1 MB and rejects any --mem request.
 MEM_MB=${SLURM_LOCAL_MEM_MB:-$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)}
 CTLD_PORT=${SLURM_LOCAL_CTLD_PORT:-6817}
@@ -126,8 +127,11 @@ start() {
     install_packages
     start_munge
     if [ -f "$CONF" ] && controller_up && node_ready; then
-        log "already running (SLURM_CONF=$CONF)"
-        return
+        if grep -q "^NodeName=localhost .* CPUs=$CPUS " "$CONF"; then
+            log "already running (SLURM_CONF=$CONF)"
+            return
+        fi
+        log "running with another CPU count than this machine's $CPUS; restarting it"
     fi
     [ "$(id -u)" = 0 ] || die "starting slurmctld/slurmd needs root" 3
     stop_daemons quiet
