@@ -13,6 +13,8 @@
 #                                              # native bf16, AMX-BF16 or AVX512-BF16; fp32 on any other)
 #   REFERENCES=1 bash launch/run_sample.sh     # also evaluate the teacher and the student before training
 #                                              # (auto: on a CPU with native bf16 only; 0: never)
+#   TEACHER_SENTENCES=0 bash launch/run_sample.sh   # teacher vectors for every sentence, not only the
+#                                                   # 51,200 that the 800 steps of 64 read
 #   EXTRA_TEXT="q.txt t.txt" EXTRA_MAX=20000 bash launch/run_sample.sh   # more distillation text
 #     (files preprocess reads, space-separated; at most EXTRA_MAX lines of each; docs/guide.md)
 set -euo pipefail
@@ -34,6 +36,11 @@ REFERENCES=${REFERENCES:-auto}
 case "$REFERENCES" in auto | 0 | 1) ;; *)
   echo "run_sample: REFERENCES=$REFERENCES: use auto, 1 or 0" >&2; exit 2 ;;
 esac
+TEACHER_SENTENCES=${TEACHER_SENTENCES:-51200}  # the sentences the teacher stage encodes (below)
+if ! [[ "$TEACHER_SENTENCES" =~ ^[0-9]+$ ]]; then
+  echo "run_sample: TEACHER_SENTENCES=$TEACHER_SENTENCES is not a number of sentences (0: all of them)" >&2
+  exit 2
+fi
 OUT=${OUT:-runs/sample}
 NPROC=${NPROC:-1}
 MODEL=${MODEL:-models/e5-small}
@@ -75,6 +82,11 @@ stage "teacher model: $MODEL"
 "$PY" -m pipeline models fetch e5-small --out "$MODEL"
 
 stage preprocess
+# Shards of 6,400 sentences in blocks of 800: the distillation reads 800 x 64 = 51,200 sentences, the first
+# 8 shards' worth (preprocess orders sentences by a hash of their text, so these are a uniform sample), and
+# the teacher stage encodes only those (--max_sentences), 8 equal shards for its workers. TEACHER_SENTENCES=0
+# encodes every sentence (a run longer than 800 steps otherwise makes more than one pass over the 51,200).
+SHARD_SENTENCES=6400
 # The shards are rebuilt, with everything built from them, when the inputs differ from those recorded
 # (another EXTRA_TEXT or EXTRA_MAX, an edited file), or when they hold an older sample job (news only).
 inputs_record() { for f in "$@"; do printf '%s %s\n' "$(sha256sum < "$f" | cut -d' ' -f1)" "$f"; done; }
@@ -93,7 +105,8 @@ fi
 mkdir -p "$OUT"
 printf '%s\n' "$WANT" > "$RECORD"  # before preprocess: a stopped run resumes only with these inputs
 if [ ! -f "$OUT/shards/manifest.json" ]; then
-  "$PY" -m pipeline preprocess "${INPUTS[@]}" --out "$OUT/shards" --sentences_per_shard 8000 --rows_per_block 1000
+  "$PY" -m pipeline preprocess "${INPUTS[@]}" --out "$OUT/shards" --sentences_per_shard "$SHARD_SENTENCES" \
+    --rows_per_block 800
 fi
 stage augment
 # Augmented shards of an older sample job with another variant count are replaced (20 s to redo).
@@ -122,11 +135,11 @@ fi
 stage "teacher embeddings"
 # One worker process per core, one torch thread each (the stage gives each cpu_count/workers threads): the
 # shards are independent, and one thread per process does not wait on a busy second core at every op. The
-# vectors do not depend on the number of workers. At most 4 (each holds a 1.4 GB copy of the model; 9 shards).
+# vectors do not depend on the number of workers. At most 4 (each holds a 1.4 GB copy of the model; 8 shards).
 TEACHER_WORKERS=$(( $(nproc) < 4 ? $(nproc) : 4 ))
 if [ ! -f "$OUT/teacher/manifest.json" ]; then
   "$PY" -m pipeline teacher --shards "$OUT/augmented" --out "$OUT/teacher" --model "$MODEL" --precision "$PRECISION" \
-    --workers "$TEACHER_WORKERS"
+    --workers "$TEACHER_WORKERS" --max_sentences "$TEACHER_SENTENCES"
 fi
 
 stage "distillation"

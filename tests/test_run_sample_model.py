@@ -89,7 +89,10 @@ def test_every_stage_gets_the_machines_precision_and_the_evaluations_share_the_c
     assert set(evals) == {"teacher", "untrained", "trained", "report"}
     for name in ("teacher", "untrained", "trained"):  # two lanes side by side, half the cores each
         assert "--precision auto" in evals[name] and "--threads 2" in evals[name], evals[name]
-    assert "--precision auto" in next(c for c in commands if c.startswith("-m pipeline teacher"))
+    teacher_stage = next(c for c in commands if c.startswith("-m pipeline teacher"))
+    assert "--precision auto" in teacher_stage
+    assert "--max_sentences 51200" in teacher_stage  # what the 800 steps of 64 read, the first 8 shards
+    assert "--sentences_per_shard 6400" in next(c for c in commands if c.startswith("-m pipeline preprocess"))
     train = next(c for c in commands if "launch/pretrain.py" in c)
     assert "--train.mixed_precision=auto" in train
     # each lane's lines (stderr too: the progress) carry its piece's name
@@ -114,6 +117,9 @@ def test_precision_fp32_reaches_every_stage_and_a_wrong_one_stops_at_once(tmp_pa
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--train.mixed_precision=no" in next(c for c in commands if "launch/pretrain.py" in c)
     assert all("--precision fp32" in c for c in _evals(commands).values())
+    proc, commands = _stub_run(tmp_path, cores=2, TEACHER_SENTENCES="all")
+    assert proc.returncode == 2 and "TEACHER_SENTENCES=all is not a number" in proc.stderr
+    assert commands == []  # refused before anything ran
     proc, commands = _stub_run(tmp_path, cores=2, PRECISION="fp16")
     assert proc.returncode == 2 and "PRECISION=fp16: use auto, fp32 or bf16" in proc.stderr
     assert commands == []

@@ -176,6 +176,35 @@ def test_two_worker_processes_match_one(tmp_path, shards, teacher_dir, taught):
     )
 
 
+def test_max_sentences_encodes_the_first_shards_that_hold_them(tmp_path, shards, teacher_dir, caplog):
+    """--max-sentences: the first shards in manifest order that hold the count (64 + 32 rows for 70), the
+    same rows and vectors as the whole run's; a count above the input's is all of it, said in the log;
+    the manifest records the count and trains like any teacher set."""
+    whole = tmp_path / "whole"
+    teach(shards, whole, teacher_dir)
+    with caplog.at_level("INFO", logger="pipeline.stages.teacher.run"):
+        teach(shards, tmp_path / "head", teacher_dir, max_sentences=70)
+    manifest = read_manifest(tmp_path / "head")
+    assert [e["name"] for e in manifest["shards"]] == ["shard-000000.tar", "shard-000001.tar"]
+    assert manifest["counts"]["sentences"] == 96 and manifest["config"]["max_sentences"] == 70
+    assert "the first 2 of 3 shards, 96 of 136 sentences" in caplog.text
+    got, want = table(tmp_path / "head"), table(whole).slice(0, 96)
+    assert got.column("id").equals(want.column("id"))
+    np.testing.assert_array_equal(
+        teacher_matrix(got.column("teacher")), teacher_matrix(want.column("teacher"))
+    )
+    assert manifest["totals"]["sentences"] == 96 and read_shard_set(tmp_path / "head").has_index
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pipeline.stages.teacher.run"):
+        teach(shards, tmp_path / "all", teacher_dir, max_sentences=1000)
+    assert len(read_manifest(tmp_path / "all")["shards"]) == 3
+    assert "holds 136 sentences; encoding all of them" in caplog.text
+    with pytest.raises(ConfigError, match="max-sentences must be >= 0"):
+        Config(shards=shards, out=tmp_path / "o", model="m", max_sentences=-1)
+    with pytest.raises(ConfigError, match="a conversion keeps whole"):
+        teach(whole, tmp_path / "int8", teacher_dir, dtype="int8", max_sentences=10)
+
+
 def test_bad_input_is_one_clear_error(tmp_path, shards, teacher_dir):
     import shutil
 

@@ -109,9 +109,20 @@ class Config(Execution):
         "two texts' vectors for data.supervised_teacher (pipeline/data/labelled.py).",
     )
     triples: bool = option(False, "--pairs_file holds triples: the anchor and the positive are encoded.")
+    max_sentences: int = option(
+        0,
+        "Encode only the input's first shards, in manifest order, that hold at least this many sentences "
+        "(0 = every shard); the output lists those. Preprocess spreads sentences over its shards by hash, "
+        "so the first shards are a uniform sample: what a run that reads fewer sentences than the corpus "
+        "holds needs (launch/run_sample.sh: its 800 steps of 64).",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.max_sentences < 0:
+            raise ConfigError("--max-sentences must be >= 0 (0 encodes every shard)")
+        if self.max_sentences and self.pairs_file is not None:
+            raise ConfigError("--max-sentences selects shards; --pairs_file encodes its whole file")
         if (self.shards is None) == (self.pairs_file is None) or self.out is None:
             raise ConfigError(
                 "usage: python -m pipeline teacher --shards IN --out OUT --model TEACHER (or --pairs_file "
@@ -450,6 +461,30 @@ def finish(cfg: Config, in_manifest: dict[str, Any], records: list[dict[str, Any
     return entries, extra
 
 
+def first_shards(in_manifest: dict[str, Any], wanted: int, where: Path) -> dict[str, Any]:
+    """``in_manifest`` with its shard list cut to the first shards that hold ``wanted`` sentences (all of
+    them when they hold fewer, said in the log); a conversion is refused: it keeps every shard."""
+    if in_manifest.get("stage") == "teacher":
+        raise ConfigError(
+            f"--max-sentences: {where} is a teacher output, which a conversion keeps whole; "
+            "drop --max-sentences, or give the augment output"
+        )
+    entries, held = [], 0
+    for entry in in_manifest["shards"]:
+        if held >= wanted:
+            break
+        entries.append(entry)
+        held += entry["sentences"]
+    total = sum(e["sentences"] for e in in_manifest["shards"])
+    if held < wanted:
+        log.info("teacher: --max-sentences %d: %s holds %d sentences; encoding all of them", wanted, where,
+                 total)  # fmt: skip
+    else:
+        log.info("teacher: --max-sentences %d: the first %d of %d shards, %d of %d sentences", wanted,
+                 len(entries), len(in_manifest["shards"]), held, total)  # fmt: skip
+    return {**in_manifest, "shards": entries}
+
+
 def conversion_record(cfg: Config, in_manifest: dict[str, Any]) -> dict[str, Any]:
     """The input teacher set's record with the new dtype; refuses what a conversion cannot do."""
     teacher = in_manifest.get("teacher") or {}
@@ -489,6 +524,8 @@ def run(cfg: Config) -> int:
         )
     if stage != "teacher" and not cfg.model:
         raise ConfigError("usage: python -m pipeline teacher --shards IN --out OUT --model TEACHER")
+    if cfg.max_sentences:
+        in_manifest = first_shards(in_manifest, cfg.max_sentences, cfg.shards)
     device = resolve_device(cfg.device)
     if stage == "teacher":  # a conversion
         work: ShardWork = ConvertWork(cfg)
