@@ -168,6 +168,13 @@ def test_step_profile(shards, model, capsys, monkeypatch):
     assert "parameters" in out
 
 
+def test_teacher_int8(shards, model, tmp_path, capsys, monkeypatch):
+    out = run_script("teacher_int8", "--shards", str(shards), "--model", str(model), "--sentences", "40",
+                     "--workers", "1", "--repeats", "1", "--out", str(tmp_path / "t.json"),
+                     capsys=capsys, monkeypatch=monkeypatch)  # fmt: skip
+    assert "fp32 / int8 per pair" in out and "cosine to fp32 over 48 sentences" in out  # the first shard
+
+
 def test_step_bytes(model, capsys, monkeypatch):
     out = run_script("step_bytes", "--model", str(model), "--vocab", "200", "--layers", "0,1", "--steps", "1",
                      "--warmup", "0", "--threads", "1", "--updates", "1",

@@ -39,7 +39,7 @@ import pyarrow as pa
 
 from pipeline.config import option
 from pipeline.errors import ConfigError, InputError
-from pipeline.precision import CpuPrecision, resolve_cpu_precision
+from pipeline.precision import resolve_cpu_precision
 from pipeline.shards import MANIFEST, holds_pairs, read_shard, write_shard
 from pipeline.stages.runner import Execution, Report, ShardJob, ShardStage, ShardWork, read_input
 from pipeline.stages.teacher.consistency import pair_scores
@@ -54,7 +54,8 @@ ENCODED = "encoded"  # WORK_DIR/encoded/: shards with the teacher column, before
 # equal); ``dtype`` is recorded as the manifest's ``teacher.dtype`` (so a float16 manifest is what it
 # always was).
 LEFT_OUT = ("device", "dtype")
-Precision = Literal["fp32", "fp16", "bf16"]
+Precision = Literal["fp32", "fp16", "bf16", "int8"]
+TeacherPrecision = Literal["auto", "fp32", "bf16", "int8"]
 
 
 @dataclass
@@ -77,10 +78,11 @@ class Config(Execution):
     batch_size: int = option(128, "Sentences per forward pass (sorted by token count within a shard).")
     max_length: int | None = option(None, "Token limit per sentence (empty = the model's encoder.json).")
     device: str = option("auto", "Torch device: auto (cuda if available), cpu, cuda, cuda:1, ...")
-    precision: CpuPrecision = option(
+    precision: TeacherPrecision = option(
         "auto",
         "CPU compute precision: auto (bf16 autocast on a CPU with native bf16, AMX-BF16 or AVX512-BF16; fp32 "
-        "elsewhere, where bf16 is emulated and several times slower), fp32 or bf16. A GPU always runs fp16 "
+        "elsewhere, where bf16 is emulated and several times slower), fp32, bf16, or int8 (dynamic int8 "
+        "linear layers but the feed-forward outputs: pipeline/model/int8.py). A GPU always runs fp16 "
         "weights. The manifest records what ran (teacher.compute_precision).",
     )
     variants: bool = option(False, "Also encode every cached variant (a teacher_variants column).")
@@ -114,7 +116,7 @@ class Config(Execution):
         "Encode only the input's first shards, in manifest order, that hold at least this many sentences "
         "(0 = every shard); the output lists those. Preprocess spreads sentences over its shards by hash, "
         "so the first shards are a uniform sample: what a run that reads fewer sentences than the corpus "
-        "holds needs (launch/run_sample.sh: its 800 steps of 64).",
+        "holds needs (launch/run_sample.sh: its 600 steps of 64).",
     )
 
     def __post_init__(self) -> None:
@@ -171,9 +173,22 @@ def resolve_device(device: str) -> str:
 def precision_for(device: str, setting: str) -> Precision:
     """fp16 weights on a GPU; on the CPU fp32, or fp32 weights under bf16 autocast, as ``--precision``
     resolves on this CPU (pipeline/precision.py: auto is bf16 only where the CPU has native bf16)."""
+    if setting == "int8":
+        if not device.startswith("cpu"):
+            raise ConfigError(f"--precision int8 is a CPU option; on {device} the teacher runs fp16 weights")
+        return "int8"
     if device.startswith("cuda"):
         return "fp16"
     return resolve_cpu_precision(setting, "--precision")[0]
+
+
+def precision_why(device: str, setting: str) -> str:
+    """The words for the stage's log line: why it computes in what :func:`precision_for` says."""
+    if setting == "int8":
+        return "--precision=int8: dynamic int8 linear layers, fp32 elsewhere"
+    if device.startswith("cuda"):
+        return "fp16 weights"
+    return resolve_cpu_precision(setting, "--precision")[1]
 
 
 def load_teacher(cfg: Config, device: str) -> Any:
@@ -182,8 +197,14 @@ def load_teacher(cfg: Config, device: str) -> Any:
     encoder = load_encoder(resolve(cfg.model), device)
     if cfg.max_length is not None:
         encoder.max_length = cfg.max_length
-    if precision_for(device, cfg.precision) == "fp16":
+    precision = precision_for(device, cfg.precision)
+    if precision == "fp16":
         encoder.half()
+    elif precision == "int8":
+        from pipeline.model.int8 import quantize_int8
+
+        _, count = quantize_int8(encoder.backbone)
+        log.debug("teacher: %d linear layers in int8", count)
     return encoder
 
 
@@ -534,9 +555,7 @@ def run(cfg: Config) -> int:
         work = EncodeWork(cfg, device, progress_per_sentence=2 if pairs else 1)
         work.loaded = load_teacher(cfg, device)  # for the record; the shards use it if they run here
         precision = precision_for(device, cfg.precision)
-        on_cpu = precision != "fp16"
-        why = resolve_cpu_precision(cfg.precision, "--precision")[1] if on_cpu else "fp16 weights"
-        log.info("teacher: computing in %s on %s (%s)", precision, device, why)
+        log.info("teacher: computing in %s on %s (%s)", precision, device, precision_why(device, cfg.precision))
         record = teacher_record(cfg, work.loaded, precision)
     shard_dir, record_dir = layout(cfg)
     shards = ShardStage("teacher", cfg, in_manifest, WORK_DIR, {"teacher": record}, LEFT_OUT,
