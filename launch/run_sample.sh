@@ -14,7 +14,7 @@
 #   REFERENCES=1 bash launch/run_sample.sh     # also evaluate the teacher and the student before training
 #                                              # (auto: on a CPU with native bf16 only; 0: never)
 #   TEACHER_SENTENCES=0 bash launch/run_sample.sh   # teacher vectors for every sentence, not only the
-#                                                   # 51,200 that the 800 steps of 64 read
+#                                                   # 38,400 that the 600 steps of 64 read
 #   EXTRA_TEXT="q.txt t.txt" EXTRA_MAX=20000 bash launch/run_sample.sh   # more distillation text
 #     (files preprocess reads, space-separated; at most EXTRA_MAX lines of each; docs/guide.md)
 set -euo pipefail
@@ -36,7 +36,7 @@ REFERENCES=${REFERENCES:-auto}
 case "$REFERENCES" in auto | 0 | 1) ;; *)
   echo "run_sample: REFERENCES=$REFERENCES: use auto, 1 or 0" >&2; exit 2 ;;
 esac
-TEACHER_SENTENCES=${TEACHER_SENTENCES:-51200}  # the sentences the teacher stage encodes (below)
+TEACHER_SENTENCES=${TEACHER_SENTENCES:-38400}  # the sentences the teacher stage encodes (below)
 if ! [[ "$TEACHER_SENTENCES" =~ ^[0-9]+$ ]]; then
   echo "run_sample: TEACHER_SENTENCES=$TEACHER_SENTENCES is not a number of sentences (0: all of them)" >&2
   exit 2
@@ -78,14 +78,19 @@ for i in "${!EXTRA[@]}"; do
   INPUTS+=("$f")
 done
 
+# Whether this CPU computes bf16 natively (pipeline/precision.py): "native WHY" or "emulated WHY", for the
+# reference evaluations below. A bad PIPELINE_CPU_BF16 stops the job here, in one line.
+CPU_CHECK=$("$PY" -m pipeline.precision) || exit 2
+read -r BF16 WHY <<< "$CPU_CHECK"
+
 stage "teacher model: $MODEL"
 "$PY" -m pipeline models fetch e5-small --out "$MODEL"
 
 stage preprocess
-# Shards of 6,400 sentences in blocks of 800: the distillation reads 800 x 64 = 51,200 sentences, the first
-# 8 shards' worth (preprocess orders sentences by a hash of their text, so these are a uniform sample), and
-# the teacher stage encodes only those (--max_sentences), 8 equal shards for its workers. TEACHER_SENTENCES=0
-# encodes every sentence (a run longer than 800 steps otherwise makes more than one pass over the 51,200).
+# Shards of 6,400 sentences in blocks of 800: the distillation reads 600 x 64 = 38,400 sentences, the first
+# 6 shards' worth (preprocess orders sentences by a hash of their text, so these are a uniform sample), and
+# the teacher stage encodes only those (--max_sentences), 6 equal shards for its workers. TEACHER_SENTENCES=0
+# encodes every sentence (a run longer than 600 steps otherwise makes more than one pass over the 38,400).
 SHARD_SENTENCES=6400
 # The shards are rebuilt, with everything built from them, when the inputs differ from those recorded
 # (another EXTRA_TEXT or EXTRA_MAX, an edited file), or when they hold an older sample job (news only).
@@ -135,7 +140,7 @@ fi
 stage "teacher embeddings"
 # One worker process per core, one torch thread each (the stage gives each cpu_count/workers threads): the
 # shards are independent, and one thread per process does not wait on a busy second core at every op. The
-# vectors do not depend on the number of workers. At most 4 (each holds a 1.4 GB copy of the model; 8 shards).
+# vectors do not depend on the number of workers. At most 4 (each holds a 1.4 GB copy of the model; 6 shards).
 TEACHER_WORKERS=$(( $(nproc) < 4 ? $(nproc) : 4 ))
 if [ ! -f "$OUT/teacher/manifest.json" ]; then
   "$PY" -m pipeline teacher --shards "$OUT/augmented" --out "$OUT/teacher" --model "$MODEL" --precision "$PRECISION" \
@@ -165,7 +170,6 @@ fi
 # other. Each lane prints its progress as plain lines, prefixed with its name.
 stage "evaluate on the five STS sets; report"
 if [ "$REFERENCES" = auto ]; then
-  read -r BF16 WHY <<< "$("$PY" -m pipeline.precision)"
   REFERENCES=0
   if [ "$BF16" = native ]; then REFERENCES=1; fi
   if [ "$REFERENCES" = 0 ] && { [ ! -f "$MODEL/eval/eval.json" ] || [ ! -f "$OUT/student_eval/eval.json" ]; }; then

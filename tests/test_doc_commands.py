@@ -332,7 +332,7 @@ def test_the_readme_cluster_sequence_is_found():
         ),
         (
             "python -m pipeline train --config launch/configs/distill.yaml --train.max_samples=10",
-            "train.max_steps (800) and train.max_samples (10) both set",
+            "train.max_steps (600) and train.max_samples (10) both set",
         ),
         (".venv/bin/python -m pipeline export RUN --out DIR --onnx_int9", "unknown config key 'onnx_int9'"),
         ("python -m pipeline exprot RUN", "no such command"),

@@ -47,16 +47,16 @@ EMULATED = "emulated no native bf16 (this CPU has neither AMX-BF16 nor AVX512-BF
 
 
 def _stub_run(
-    tmp_path, cores: int, bf16: str = NATIVE, **env: str
+    tmp_path, cores: int, bf16: str = NATIVE, check_exit: int = 0, **env: str
 ) -> tuple[subprocess.CompletedProcess, list[str]]:
-    """run_sample.sh with every stage a stub, ``nproc`` answering ``cores`` and the CPU check ``bf16``: the
-    commands it ran."""
+    """run_sample.sh with every stage a stub, ``nproc`` answering ``cores`` and the CPU check ``bf16`` (and
+    exiting ``check_exit``): the commands it ran."""
     log, bin_dir = tmp_path / "commands.log", tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     shim = tmp_path / "python"
     shim.write_text(
         f'#!/usr/bin/env bash\nprintf "%s\\n" "$*" >> {log}\n'
-        f'if [ "$2" = pipeline.precision ]; then echo "{bf16}"; exit; fi\necho "working on $4" >&2\n'
+        f'if [ "$2" = pipeline.precision ]; then echo "{bf16}"; exit {check_exit}; fi\necho "working on $4" >&2\n'
     )
     (bin_dir / "nproc").write_text(f"#!/usr/bin/env bash\necho {cores}\n")
     for f in (shim, bin_dir / "nproc"):
@@ -91,7 +91,7 @@ def test_every_stage_gets_the_machines_precision_and_the_evaluations_share_the_c
         assert "--precision auto" in evals[name] and "--threads 2" in evals[name], evals[name]
     teacher_stage = next(c for c in commands if c.startswith("-m pipeline teacher"))
     assert "--precision auto" in teacher_stage
-    assert "--max_sentences 51200" in teacher_stage  # what the 800 steps of 64 read, the first 8 shards
+    assert "--max_sentences 38400" in teacher_stage  # what the 600 steps of 64 read, the first 6 shards
     assert "--sentences_per_shard 6400" in next(c for c in commands if c.startswith("-m pipeline preprocess"))
     train = next(c for c in commands if "launch/pretrain.py" in c)
     assert "--train.mixed_precision=auto" in train
@@ -123,6 +123,14 @@ def test_precision_fp32_reaches_every_stage_and_a_wrong_one_stops_at_once(tmp_pa
     proc, commands = _stub_run(tmp_path, cores=2, PRECISION="fp16")
     assert proc.returncode == 2 and "PRECISION=fp16: use auto, fp32 or bf16" in proc.stderr
     assert commands == []
+
+
+def test_a_bad_cpu_check_stops_the_job_before_any_stage(tmp_path):
+    """`python -m pipeline.precision` exits non-zero on a bad PIPELINE_CPU_BF16 (its one line on stderr):
+    the job stops there."""
+    proc, commands = _stub_run(tmp_path, cores=2, bf16="", check_exit=1)
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert [c.split()[1] for c in commands] == ["pipeline.precision"]
 
 
 def test_references_follow_the_cpu_unless_asked(tmp_path):
