@@ -12,10 +12,9 @@ bit (400 sentences), so a teacher set does not depend on the CPU that encoded it
 
 Every linear layer is quantised except those that narrow their input (``out_features < in_features``):
 in a transformer those are the feed-forward blocks' second layers, whose inputs, the activations after
-GELU, carry outliers that 8 bits per tensor do not hold. On multilingual-e5-small and 1,600 sentences of
-the main job's corpus, the vectors' cosine to fp32 is 0.9965 on average (0.991 at worst) with this rule,
-and 0.989 (0.978) with every layer quantised; the int8 forward is 1.3x as fast as fp32 on a CPU held to
-AVX2, one thread (1.5x with every layer quantised).
+GELU, carry outliers that 8 bits per tensor do not hold: on multilingual-e5-small the vectors' cosine to
+fp32 is about 0.9965 with this rule and 0.989 with every layer quantised (docs/BENCHMARKS.md, "CPU
+precision", with the speed).
 
 torch 2.13 deprecates this eager-mode API in favour of torchao and says so on every call; the pinned torch
 runs it, and :func:`quantize_int8` keeps those notices off the screen.
