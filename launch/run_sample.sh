@@ -142,6 +142,14 @@ stage "teacher embeddings"
 # shards are independent, and one thread per process does not wait on a busy second core at every op. The
 # vectors do not depend on the number of workers. At most 4 (each holds a 1.4 GB copy of the model; 6 shards).
 TEACHER_WORKERS=$(( $(nproc) < 4 ? $(nproc) : 4 ))
+# A teacher set of other sentences (another TEACHER_SENTENCES, or an older sample job's 51,200 or all) is
+# encoded again, and the training on it is started again: a run must not resume over other sentences, and
+# an older job's checkpoints belong to another schedule (800 steps).
+if [ -f "$OUT/teacher/manifest.json" ] \
+  && ! grep -Eqs "\"max_sentences\": $TEACHER_SENTENCES([^0-9]|\$)" "$OUT/teacher/manifest.json"; then
+  echo "run_sample: $OUT/teacher holds other sentences than TEACHER_SENTENCES=$TEACHER_SENTENCES; encoding again" >&2
+  rm -rf "$OUT/teacher" "$OUT/train"
+fi
 if [ ! -f "$OUT/teacher/manifest.json" ]; then
   "$PY" -m pipeline teacher --shards "$OUT/augmented" --out "$OUT/teacher" --model "$MODEL" --precision "$PRECISION" \
     --workers "$TEACHER_WORKERS" --max_sentences "$TEACHER_SENTENCES"

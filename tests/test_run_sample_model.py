@@ -156,3 +156,28 @@ def test_references_follow_the_cpu_unless_asked(tmp_path):
     proc, commands = _stub_run(tmp_path, cores=2, REFERENCES="yes")
     assert proc.returncode == 2 and "REFERENCES=yes: use auto, 1 or 0" in proc.stderr
     assert commands == []
+
+
+def test_a_teacher_set_of_other_sentences_is_encoded_again(tmp_path):
+    """An older job's teacher set (51,200 sentences) or another TEACHER_SENTENCES: the set and the training
+    on it are redone, and said; a set of the sentences asked for is kept."""
+    teacher, train = tmp_path / "out" / "teacher", tmp_path / "out" / "train"
+
+    def older(sentences: int) -> None:
+        teacher.mkdir(parents=True, exist_ok=True)
+        (teacher / "manifest.json").write_text(f'{{"config": {{\n  "max_sentences": {sentences},\n  "x": 1}}}}')
+        (train / "checkpoints").mkdir(parents=True, exist_ok=True)
+
+    older(51200)
+    proc, commands = _stub_run(tmp_path, cores=2)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert any(c.startswith("-m pipeline teacher") for c in commands)
+    assert "holds other sentences than TEACHER_SENTENCES=38400; encoding again" in proc.stderr
+    assert not (train / "checkpoints").exists()  # the stubs write nothing: removed, not rebuilt
+    older(38400)
+    (teacher / "manifest.json").write_text('{"config": {\n  "max_sentences": 38400\n}}')  # the last key
+    proc, commands = _stub_run(tmp_path, cores=2)
+    assert not any(c.startswith("-m pipeline teacher") for c in commands) and "encoding again" not in proc.stderr
+    assert (train / "checkpoints").is_dir()
+    proc, commands = _stub_run(tmp_path, cores=2, TEACHER_SENTENCES="0")  # every sentence now
+    assert any(c.startswith("-m pipeline teacher") for c in commands) and "encoding again" in proc.stderr
