@@ -79,7 +79,9 @@ def main() -> int:
     parser.add_argument("--data", type=Path, default=ROOT / "runs" / "sample")
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--lrs", nargs="+", default=["1e-3", "2e-3", "5e-4"])
-    parser.add_argument("--samples", type=int, default=51200, help="per run (800 x 64, the main job's when measured)")
+    parser.add_argument(
+        "--samples", type=int, default=51200, help="per run (800 x 64, the main job's when measured)"
+    )
     parser.add_argument("--eval_every", type=int, nargs="+", help="steps, one per batch (default: 8 a run)")
     parser.add_argument(
         "--micro_batch", type=int, default=256,

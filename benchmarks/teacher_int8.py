@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 from _common import table
-from cpu_precision import AVX2, env_for, run
+from cpu_precision import env_for, run
 
 from pipeline.shards import read_manifest, read_shard
 from pipeline.vectors import teacher_matrix
@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                 out = work / f"{precision}-{repeat}"
                 cmd = [sys.executable, "-m", "pipeline", "teacher", "--shards", str(args.shards), "--out",
                        str(out), "--model", args.model, "--precision", precision, "--workers",
-                       str(args.workers), "--max_sentences", str(args.sentences), "--progress", "false"]  # fmt: skip
+                       str(args.workers), "--max_sentences", str(args.sentences),
+                       "--progress", "false"]  # fmt: skip
                 seconds[precision].append(run(cmd, env, work / f"{precision}-{repeat}.log"))
                 print(f"{precision} run {repeat + 1}: {seconds[precision][-1]:.1f} s", flush=True)
         ids32, fp32 = vectors(work / "fp32-0")
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = [[precision, f"{statistics.median(s):.1f}", " / ".join(f"{x:.1f}" for x in s),
                  f"{len(ids32) / statistics.median(s):.1f}"] for precision, s in seconds.items()]  # fmt: skip
         print(table(["precision", "median s", "runs (s)", "sentences/s"], rows))
-        print(f"fp32 / int8 per pair: {', '.join(f'{r:.2f}x' for r in ratios)}; median {statistics.median(ratios):.2f}x")
+        pairs = ", ".join(f"{r:.2f}x" for r in ratios)
+        print(f"fp32 / int8 per pair: {pairs}; median {statistics.median(ratios):.2f}x")
         c = result["cosine"]
         print(f"int8 rows' cosine to fp32 over {len(ids32)} sentences: mean {c['mean']:.4f}, 1st percentile "
               f"{c['p1']:.4f}, min {c['min']:.4f}")  # fmt: skip

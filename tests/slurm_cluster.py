@@ -101,7 +101,8 @@ def refuse_never_starting(env: dict[str, str], job_id: str, states: list[str]) -
         raise AssertionError(
             f"job {job_id} can never start ({info['Reason']}): it asks for {info.get('NumCPUs')} CPUs, "
             f"{info.get('NumNodes')} node(s); the local node has CPUTot={','.join(cpus) or '?'} "
-            "(bash launch/slurm/local_cluster.sh start restarts a cluster whose CPU count is not the machine's)"
+            "(bash launch/slurm/local_cluster.sh start restarts a cluster whose CPU count is not the "
+            "machine's)"
         )
 
 

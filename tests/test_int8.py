@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory) -> Path:
     texts = sample_sentences(2000)
-    return build_char_encoder(tmp_path_factory.mktemp("int8") / "teacher", texts, 32, 64, 96, seed=3, max_length=64)
+    folder = tmp_path_factory.mktemp("int8") / "teacher"
+    return build_char_encoder(folder, texts, 32, 64, 96, seed=3, max_length=64)
 
 
 def test_every_linear_layer_but_the_narrowing_ones_is_chosen(teacher_dir):

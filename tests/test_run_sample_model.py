@@ -56,7 +56,8 @@ def _stub_run(
     shim = tmp_path / "python"
     shim.write_text(
         f'#!/usr/bin/env bash\nprintf "%s\\n" "$*" >> {log}\n'
-        f'if [ "$2" = pipeline.precision ]; then echo "{bf16}"; exit {check_exit}; fi\necho "working on $4" >&2\n'
+        f'if [ "$2" = pipeline.precision ]; then echo "{bf16}"; exit {check_exit}; fi\n'
+        'echo "working on $4" >&2\n'
     )
     (bin_dir / "nproc").write_text(f"#!/usr/bin/env bash\necho {cores}\n")
     for f in (shim, bin_dir / "nproc"):
@@ -165,7 +166,8 @@ def test_a_teacher_set_of_other_sentences_is_encoded_again(tmp_path):
 
     def older(sentences: int) -> None:
         teacher.mkdir(parents=True, exist_ok=True)
-        (teacher / "manifest.json").write_text(f'{{"config": {{\n  "max_sentences": {sentences},\n  "x": 1}}}}')
+        manifest = f'{{"config": {{\n  "max_sentences": {sentences},\n  "x": 1}}}}'
+        (teacher / "manifest.json").write_text(manifest)
         (train / "checkpoints").mkdir(parents=True, exist_ok=True)
 
     older(51200)
@@ -177,7 +179,8 @@ def test_a_teacher_set_of_other_sentences_is_encoded_again(tmp_path):
     older(38400)
     (teacher / "manifest.json").write_text('{"config": {\n  "max_sentences": 38400\n}}')  # the last key
     proc, commands = _stub_run(tmp_path, cores=2)
-    assert not any(c.startswith("-m pipeline teacher") for c in commands) and "encoding again" not in proc.stderr
+    assert not any(c.startswith("-m pipeline teacher") for c in commands)
+    assert "encoding again" not in proc.stderr
     assert (train / "checkpoints").is_dir()
     proc, commands = _stub_run(tmp_path, cores=2, TEACHER_SENTENCES="0")  # every sentence now
     assert any(c.startswith("-m pipeline teacher") for c in commands) and "encoding again" in proc.stderr

@@ -555,7 +555,8 @@ def run(cfg: Config) -> int:
         work = EncodeWork(cfg, device, progress_per_sentence=2 if pairs else 1)
         work.loaded = load_teacher(cfg, device)  # for the record; the shards use it if they run here
         precision = precision_for(device, cfg.precision)
-        log.info("teacher: computing in %s on %s (%s)", precision, device, precision_why(device, cfg.precision))
+        why = precision_why(device, cfg.precision)
+        log.info("teacher: computing in %s on %s (%s)", precision, device, why)
         record = teacher_record(cfg, work.loaded, precision)
     shard_dir, record_dir = layout(cfg)
     shards = ShardStage("teacher", cfg, in_manifest, WORK_DIR, {"teacher": record}, LEFT_OUT,
