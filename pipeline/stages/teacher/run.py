@@ -170,25 +170,22 @@ def resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
-def precision_for(device: str, setting: str) -> Precision:
-    """fp16 weights on a GPU; on the CPU fp32, or fp32 weights under bf16 autocast, as ``--precision``
-    resolves on this CPU (pipeline/precision.py: auto is bf16 only where the CPU has native bf16)."""
+def teacher_precision(device: str, setting: str) -> tuple[Precision, str]:
+    """``(precision, why)``: fp16 weights on a GPU; int8 (a CPU option); on the CPU otherwise fp32, or fp32
+    weights under bf16 autocast, as ``--precision`` resolves on this CPU (pipeline/precision.py: auto is
+    bf16 only where the CPU has native bf16)."""
     if setting == "int8":
         if not device.startswith("cpu"):
             raise ConfigError(f"--precision int8 is a CPU option; on {device} the teacher runs fp16 weights")
-        return "int8"
+        return "int8", "--precision=int8: dynamic int8 linear layers, fp32 elsewhere"
     if device.startswith("cuda"):
-        return "fp16"
-    return resolve_cpu_precision(setting, "--precision")[0]
+        return "fp16", "fp16 weights"
+    return resolve_cpu_precision(setting, "--precision")
 
 
-def precision_why(device: str, setting: str) -> str:
-    """The words for the stage's log line: why it computes in what :func:`precision_for` says."""
-    if setting == "int8":
-        return "--precision=int8: dynamic int8 linear layers, fp32 elsewhere"
-    if device.startswith("cuda"):
-        return "fp16 weights"
-    return resolve_cpu_precision(setting, "--precision")[1]
+def precision_for(device: str, setting: str) -> Precision:
+    """What :func:`teacher_precision` resolves ``setting`` to on ``device``."""
+    return teacher_precision(device, setting)[0]
 
 
 def load_teacher(cfg: Config, device: str) -> Any:
@@ -554,8 +551,7 @@ def run(cfg: Config) -> int:
     else:
         work = EncodeWork(cfg, device, progress_per_sentence=2 if pairs else 1)
         work.loaded = load_teacher(cfg, device)  # for the record; the shards use it if they run here
-        precision = precision_for(device, cfg.precision)
-        why = precision_why(device, cfg.precision)
+        precision, why = teacher_precision(device, cfg.precision)
         log.info("teacher: computing in %s on %s (%s)", precision, device, why)
         record = teacher_record(cfg, work.loaded, precision)
     shard_dir, record_dir = layout(cfg)
